@@ -1,0 +1,192 @@
+"""Layer-by-layer calibration: run calibration text through one decoder layer at a time.
+
+The inputs of decoder layer 0 are captured once (everything before it runs on the whole
+batch set), then each layer runs alone on the cached hidden states, hooks observe what they
+need (Gram matrices, activations), and the layer's outputs become the next layer's inputs.
+Peak memory is one layer plus the calibration activations, never the whole model's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from . import ui
+from .arch import Arch, discover, get_module
+from .errors import UsageError
+from .model import model_device
+
+
+class _Stop(Exception):
+    pass
+
+
+@dataclass
+class LayerInputs:
+    """Hidden states entering a decoder layer (one tensor a batch) and the keyword arguments
+    the model passes every layer (attention mask, position embeddings, ...)."""
+
+    hidden: list[torch.Tensor]
+    kwargs: list[dict]
+
+
+@torch.no_grad()
+def capture_inputs(model: nn.Module, arch: Arch, batches: list[torch.Tensor]) -> LayerInputs:
+    """Run the model up to decoder layer 0 for every batch and keep what enters it."""
+    first = arch.layers[0]
+    store = LayerInputs([], [])
+
+    def hook(_module, args, kwargs):
+        hidden = args[0] if args else kwargs.pop("hidden_states")
+        store.hidden.append(hidden)
+        store.kwargs.append({k: v for k, v in kwargs.items() if k not in ("past_key_values", "past_key_value", "use_cache")})
+        raise _Stop
+
+    handle = first.register_forward_pre_hook(hook, with_kwargs=True)
+    device = model_device(model)
+    try:
+        for batch in batches:
+            try:
+                model(input_ids=batch.to(device), use_cache=False)
+            except _Stop:
+                pass
+    finally:
+        handle.remove()
+    return store
+
+
+@torch.no_grad()
+def run_layer(layer: nn.Module, inputs: LayerInputs) -> list[torch.Tensor]:
+    """Outputs of one decoder layer for every cached batch."""
+    outs = []
+    for hidden, kwargs in zip(inputs.hidden, inputs.kwargs):
+        out = layer(hidden, **kwargs)
+        outs.append(out[0] if isinstance(out, tuple) else out)
+    return outs
+
+
+def layerwise(model: nn.Module, batches: list[torch.Tensor], arch: Arch | None = None,
+              label: str = "calibration layers") -> Iterator[tuple[int, nn.Module, LayerInputs]]:
+    """Yield (index, layer, its inputs) for each decoder layer in order.
+
+    The caller may observe the layer (hooks) or even replace its weights while it holds it;
+    after the caller's step the layer runs on the inputs to produce the next layer's inputs,
+    so a layer compressed in the loop feeds the compressed activations forward.
+    """
+    arch = arch or discover(model)
+    inputs = capture_inputs(model, arch, batches)
+    for i in ui.track(range(arch.num_layers), label):
+        layer = arch.layers[i]
+        yield i, layer, inputs
+        inputs = LayerInputs(run_layer(layer, inputs), inputs.kwargs)
+
+
+class GramHook:
+    """Accumulates X^T X (float64) of a module's inputs; modules fed the very same tensor
+    (q/k/v, gate/up) are detected by pointer and share one accumulator."""
+
+    def __init__(self, modules: dict[str, nn.Module]):
+        self.grams: dict[str, torch.Tensor] = {}
+        self.owner: dict[str, str] = {}  # module name -> name whose Gram it shares
+        self.tokens = 0
+        self._seen: dict[int, tuple[str, torch.Tensor]] = {}  # holding x keeps its address unique
+        self._stack = ExitStack()
+        for name, module in modules.items():
+            self._stack.callback(module.register_forward_hook(self._hook(name)).remove)
+
+    def _hook(self, name: str) -> Callable:
+        def hook(_module, args, _out):
+            x = args[0]
+            key = x.data_ptr()
+            if key in self._seen and self._seen[key][0] != name:
+                self.owner.setdefault(name, self._seen[key][0])
+                return
+            self._seen[key] = (name, x)
+            self.owner.setdefault(name, name)
+            x = x.reshape(-1, x.shape[-1]).double()
+            g = x.T @ x
+            self.grams[name] = self.grams[name] + g if name in self.grams else g
+        return hook
+
+    def step(self) -> None:
+        """Call between batches: pointers of the next batch's tensors mean nothing here."""
+        self._seen.clear()
+
+    def close(self) -> None:
+        self._stack.close()
+
+
+@torch.no_grad()
+def collect_grams(model: nn.Module, batches: list[torch.Tensor], names: list[str]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Gram matrices of the inputs of the named linear modules, layer by layer.
+
+    Returns (canonical name -> Gram (float64, on CPU), module name -> canonical name).
+    """
+    arch = discover(model)
+    grams: dict[str, torch.Tensor] = {}
+    owner: dict[str, str] = {}
+    for i, layer, inputs in layerwise(model, batches, arch, label="calibration (Gram)"):
+        prefix = arch.layer_name(i) + "."
+        mine = {n: get_module(model, n) for n in names if n.startswith(prefix)}
+        if not mine:
+            continue
+        hook = GramHook(mine)
+        try:
+            for hidden, kwargs in zip(inputs.hidden, inputs.kwargs):
+                layer(hidden, **kwargs)
+                hook.step()
+        finally:
+            hook.close()
+        grams.update({k: v.cpu() for k, v in hook.grams.items()})
+        owner.update(hook.owner)
+    outside = [n for n in names if n not in owner]
+    if outside:
+        raise UsageError(f"calibration covers decoder-layer linears only; {outside[0]} is outside the layers",
+                         "drop it from the stage's targets")
+    return grams, owner
+
+
+def fingerprint(model: nn.Module) -> str:
+    """Identifies a model's weights: config plus a checksum of a few tensors."""
+    h = hashlib.sha256(json.dumps(model.config.to_diff_dict(), sort_keys=True, default=str).encode())
+    arch = discover(model)
+    for name in list(arch.projections(0).values())[:2] + [arch.embedding_name]:
+        w = get_module(model, name).weight.detach().float()
+        h.update(f"{w.sum().item():.6e}:{w.abs().sum().item():.6e}".encode())
+    return h.hexdigest()[:16]
+
+
+def save_grams(path: str | Path, grams: dict[str, torch.Tensor], owner: dict[str, str], meta: dict) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    save_file({f"gram.{k}": v.contiguous() for k, v in grams.items()}, tmp,
+              metadata={"wscompress": json.dumps({**meta, "owner": owner})})
+    tmp.replace(path)
+
+
+def load_grams(path: str | Path, expect: dict) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Load saved statistics, refusing ones computed for another model or calibration set."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), "pt") as f:
+            meta = json.loads((f.metadata() or {}).get("wscompress", "{}"))
+        tensors = load_file(str(path))
+    except (OSError, SafetensorError, json.JSONDecodeError) as err:
+        raise UsageError(f"calibration file {path} is unreadable: {err}", "delete it and run `wscompress calibrate` again") from None
+    for key, want in expect.items():
+        if meta.get(key) != want:
+            raise UsageError(f"calibration file {path} was made with {key}={meta.get(key)!r}, this run has {want!r}",
+                             "run `wscompress calibrate` for this model and calibration set, or remove the file")
+    grams = {k.removeprefix("gram."): v for k, v in tensors.items()}
+    return grams, meta.get("owner", {})

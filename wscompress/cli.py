@@ -1,0 +1,133 @@
+"""The ``wscompress`` command line: one subcommand per recipe step, plus ``run`` for all."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Callable, List, Optional
+
+import typer
+
+from . import ui
+from .errors import UsageError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Make HuggingFace language models smaller by weight sharing and weight clustering.")
+
+RecipeArg = typer.Argument(..., help="YAML recipe (see configs/ and the README's 'Recipe format').")
+SetOpt = typer.Option(None, "--set", "-s", help="Override one recipe key, e.g. --set compress.0.ratio=0.3 (repeatable).")
+OutOpt = typer.Option(None, "--output", "-o", help="Output directory (overrides output.dir).")
+QuietOpt = typer.Option(False, "--quiet", "-q", help="No progress bars or logs (CI); tables and errors still print.")
+
+
+def _recipe(path: Path, overrides: Optional[List[str]], output: Optional[Path]):
+    from .recipe import load_recipe
+
+    sets = list(overrides or []) + ([f"output.dir={output}"] if output else [])
+    return load_recipe(path, sets)
+
+
+def _do(quiet: bool, fn: Callable[[], object]) -> None:
+    """Run a step; user errors print one clear message and exit with code 2."""
+    ui.set_quiet(quiet)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if quiet:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+    try:
+        fn()
+    except UsageError as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2)
+
+
+@app.command()
+def calibrate(recipe: Path = RecipeArg, set: Optional[List[str]] = SetOpt, output: Optional[Path] = OutOpt, quiet: bool = QuietOpt):
+    """Collect input statistics (Gram matrices, layer by layer) into <output>/calibration.safetensors."""
+    from .workflow import step_calibrate
+
+    _do(quiet, lambda: step_calibrate(_recipe(recipe, set, output)))
+
+
+@app.command()
+def compress(recipe: Path = RecipeArg, set: Optional[List[str]] = SetOpt, output: Optional[Path] = OutOpt, quiet: bool = QuietOpt):
+    """Apply the recipe's compress stages and save the model to <output>/model (safetensors)."""
+    from .workflow import step_compress
+
+    _do(quiet, lambda: step_compress(_recipe(recipe, set, output)))
+
+
+@app.command()
+def finetune(recipe: Path = RecipeArg, set: Optional[List[str]] = SetOpt, output: Optional[Path] = OutOpt,
+             resume: bool = typer.Option(False, "--resume", help="Continue from <output>/finetune-checkpoint."),
+             quiet: bool = QuietOpt):
+    """Recovery fine-tuning of <output>/model (or the recipe's model) per the finetune section."""
+    from .workflow import step_finetune
+
+    _do(quiet, lambda: step_finetune(_recipe(recipe, set, output), resume=resume))
+
+
+@app.command("eval")
+def eval_(recipe: Path = RecipeArg, set: Optional[List[str]] = SetOpt, output: Optional[Path] = OutOpt,
+          model: Optional[str] = typer.Option(None, "--model", "-m", help="Checkpoint to evaluate (default: <output>/model, else the recipe's model)."),
+          quiet: bool = QuietOpt):
+    """Perplexity (and lm-eval tasks, samples) of the model, next to the original checkpoint."""
+    from .workflow import step_eval
+
+    _do(quiet, lambda: step_eval(_recipe(recipe, set, output), model))
+
+
+@app.command()
+def bench(recipe: Path = RecipeArg, set: Optional[List[str]] = SetOpt, output: Optional[Path] = OutOpt, quiet: bool = QuietOpt):
+    """Latency, throughput, memory and size of the original vs the compressed model."""
+    from .evaluate.bench import step_bench
+
+    _do(quiet, lambda: step_bench(_recipe(recipe, set, output)))
+
+
+@app.command()
+def run(recipe: Path = RecipeArg, set: Optional[List[str]] = SetOpt, output: Optional[Path] = OutOpt, quiet: bool = QuietOpt):
+    """The whole recipe: compress, finetune, eval and bench, as far as the recipe has sections."""
+    from .workflow import step_run
+
+    _do(quiet, lambda: step_run(_recipe(recipe, set, output)))
+
+
+@app.command()
+def export(model: str = typer.Argument(..., help="Compressed checkpoint folder."),
+           output: Path = typer.Argument(..., help="Folder for the plain HF checkpoint."),
+           quiet: bool = QuietOpt):
+    """Write a dense checkpoint (compressed layers materialised) that stock transformers loads."""
+
+    def go():
+        from . import storage
+        from .model import load_model
+        from .recipe import ModelConfig
+
+        m, tok = load_model(ModelConfig(path=model, dtype="auto"))
+        storage.export_dense(m, tok, output)
+        ui.log(f"wrote {output}")
+
+    _do(quiet, go)
+
+
+@app.command()
+def check(recipe: Path = RecipeArg, set: Optional[List[str]] = SetOpt, quiet: bool = QuietOpt):
+    """Validate a recipe (keys, types, methods) without loading a model."""
+
+    def go():
+        r = _recipe(recipe, set, None)
+        typer.echo(f"{recipe}: ok ({len(r.compress)} compress stages)")
+
+    _do(quiet, go)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Evaluation: perplexity, lm-eval tasks, generation samples, latency benchmarks."""

@@ -1,0 +1,223 @@
+"""Recipes: YAML files parsed into typed, validated config objects.
+
+A recipe has the sections ``model``, ``calibration``, ``compress`` (an ordered list of
+stages), ``finetune``, ``eval``, ``bench`` and ``output``. Every stage names a registered
+``method`` and is validated by that method's own config class, so an unknown key, a wrong
+type or an unknown method is reported up front with the file, the key and the fix.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .errors import UsageError
+
+DEFAULT_MODEL = "builtin:smollm2-135m-instruct"
+
+
+class Strict(BaseModel):
+    """Base for all config sections: unknown keys are errors, values are type-checked."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(Strict):
+    path: str = Field(DEFAULT_MODEL, description="hub id, local directory, .gguf file or builtin:NAME")
+    gguf_file: str | None = Field(None, description="GGUF file inside `path` (hub repo or directory)")
+    revision: str | None = None
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "float32"
+    device: str = Field("auto", description="auto (cuda when present, else cpu), cpu, cuda, cuda:N")
+    device_map: str | None = Field(None, description="'auto' spreads a large model over GPUs and CPU")
+    trust_remote_code: bool = False
+
+
+class CalibrationConfig(Strict):
+    dataset: str = Field("../shared/data/wiki.train.txt", description="file path or wikitext2/ptb/c4/pydoc")
+    num_samples: int = Field(32, gt=0)
+    seq_len: int = Field(512, gt=1)
+    batch_size: int = Field(4, gt=0)
+    seed: int = 0
+
+
+class StageConfig(Strict):
+    """Fields every compression stage has; each method subclasses this with its options."""
+
+    method: str
+    targets: list[str] = Field(default_factory=list, description="regexes (re.search) over module names")
+    ignore: list[str] = Field(default_factory=list, description="regexes of modules to leave alone")
+
+
+class FinetuneConfig(Strict):
+    enabled: bool = True
+    mode: Literal["lora", "method", "full", "dkm"] = "method"
+    dataset: str = "../shared/data/wiki.train.txt"
+    seq_len: int = Field(256, gt=1)
+    batch_size: int = Field(4, gt=0)
+    grad_accum: int = Field(1, gt=0)
+    steps: int = Field(100, gt=0)
+    lr: float = Field(1e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    warmup_steps: int = Field(0, ge=0)
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    eval_every: int = Field(0, ge=0, description="steps between evaluations (0: only at the end)")
+    eval_windows: int = Field(8, gt=0)
+    save_every: int = Field(0, ge=0, description="steps between resumable checkpoints (0: never)")
+    mixed_precision: Literal["no", "bf16", "fp16"] = "no"
+    lora_rank: int = Field(8, gt=0)
+    lora_alpha: float = 16.0
+    lora_targets: list[str] = Field(default_factory=lambda: ["q_proj", "v_proj"])
+    penalty: float = Field(0.0, ge=0, description="Frobenius penalty on low-rank deltas (soft_share)")
+    dkm: dict[str, Any] = Field(default_factory=dict, description="options of the dkm mode")
+    seed: int = 0
+
+
+class EvalConfig(Strict):
+    perplexity: list[str] = Field(default_factory=lambda: ["../shared/data/wiki.test.txt"])
+    context_length: int = Field(512, gt=1)
+    stride: int | None = Field(None, gt=0, description="window step; < context_length scores only the new tokens")
+    batch_size: int = Field(4, gt=0)
+    max_windows: int | None = Field(None, gt=0, description="evaluate only the first N windows")
+    tasks: list[str] = Field(default_factory=list, description="lm-eval task names or local task YAML files")
+    limit: int | None = Field(None, gt=0, description="lm-eval: examples per task")
+    prompts: list[str] = Field(default_factory=list)
+    max_new_tokens: int = Field(32, gt=0)
+
+
+class BenchConfig(Strict):
+    batch_sizes: list[int] = Field(default_factory=lambda: [1, 8])
+    seq_lens: list[int] = Field(default_factory=lambda: [128])
+    decode_tokens: int = Field(16, ge=0)
+    warmup: int = Field(1, ge=0)
+    repeats: int = Field(3, gt=0)
+
+
+class OutputConfig(Strict):
+    dir: str = "outputs/run"
+
+
+class Recipe(Strict):
+    name: str = "run"
+    seed: int = 0
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    calibration: CalibrationConfig = Field(default_factory=CalibrationConfig)
+    compress: list[StageConfig] = Field(default_factory=list)
+    finetune: FinetuneConfig | None = None
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    bench: BenchConfig | None = None
+    output: OutputConfig = Field(default_factory=OutputConfig)
+    source: str | None = Field(None, exclude=True, description="file the recipe came from")
+
+    @property
+    def out(self) -> Path:
+        return Path(self.output.dir)
+
+
+def _parse_value(text: str) -> Any:
+    """`--set` values are YAML scalars/lists: 0.3 -> float, true -> bool, [a, b] -> list."""
+    return yaml.safe_load(text) if text.strip() else ""
+
+
+def apply_override(data: dict, assignment: str) -> None:
+    """Apply ``a.b.0.c=value`` to nested dicts/lists, creating dicts on the way."""
+    if "=" not in assignment:
+        raise UsageError(f"override {assignment!r} has no '='", "write --set section.key=value")
+    path, value = assignment.split("=", 1)
+    keys = path.strip().split(".")
+    node: Any = data
+    for i, key in enumerate(keys):
+        last = i == len(keys) - 1
+        if isinstance(node, list):
+            if not key.isdigit() or int(key) >= len(node):
+                raise UsageError(f"override {path!r}: {'.'.join(keys[:i])} has no item {key}",
+                                 f"use an index below {len(node)}")
+            key = int(key)
+        elif not isinstance(node, dict):
+            raise UsageError(f"override {path!r}: {'.'.join(keys[:i])} is not a section")
+        if last:
+            node[key] = _parse_value(value)
+        else:
+            if isinstance(node, dict) and node.get(key) is None:
+                node[key] = {}
+            node = node[key]
+
+
+def _format_errors(err: ValidationError, where: str, prefix: str = "") -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in (prefix, *e["loc"]) if p != "")
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key"
+        if "input" in e and e["type"] != "extra_forbidden" and not isinstance(e["input"], dict):
+            msg += f" (got {e['input']!r})"
+        lines.append(f"{where}: {key}: {msg}")
+    return "\n".join(lines)
+
+
+def _known_keys(cls: type[BaseModel]) -> str:
+    return ", ".join(cls.model_fields)
+
+
+def parse_stage(data: Any, index: int, where: str) -> StageConfig:
+    from .methods import METHODS
+
+    prefix = f"compress.{index}"
+    if not isinstance(data, dict) or "method" not in data:
+        raise UsageError(f"{where}: {prefix}: a stage must be a mapping with a 'method' key",
+                         f"e.g. - method: svd; known methods: {', '.join(sorted(METHODS))}")
+    name = data["method"]
+    if name not in METHODS:
+        close = difflib.get_close_matches(str(name), METHODS, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise UsageError(f"{where}: {prefix}.method: unknown method {name!r}",
+                         f"{hint}known methods: {', '.join(sorted(METHODS))}")
+    cls = METHODS[name].config
+    try:
+        return cls.model_validate(data)
+    except ValidationError as err:
+        raise UsageError(_format_errors(err, where, prefix),
+                         f"keys of method {name!r}: {_known_keys(cls)}") from None
+
+
+def load_recipe(path: str | Path | None = None, overrides: list[str] = (), data: dict | None = None) -> Recipe:
+    """Read, override and validate a recipe. Raises UsageError naming file, key and fix."""
+    where = str(path) if path else "<recipe>"
+    if data is None:
+        if path is None:
+            data = {}
+        else:
+            p = Path(path)
+            if not p.is_file():
+                raise UsageError(f"recipe {where} not found", "pass the path of a YAML recipe, e.g. configs/demo.yaml")
+            try:
+                data = yaml.safe_load(p.read_text()) or {}
+            except yaml.YAMLError as err:
+                raise UsageError(f"{where}: not valid YAML: {err}", "fix the YAML syntax at the line shown") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"{where}: the recipe must be a mapping of sections", "start with e.g. 'model:'")
+    data = dict(data)
+    for assignment in overrides:
+        apply_override(data, assignment)
+    stages = data.pop("compress", None) or []
+    if not isinstance(stages, list):
+        raise UsageError(f"{where}: compress: must be a list of stages", "write each stage as '- method: NAME'")
+    try:
+        recipe = Recipe.model_validate(data)
+    except ValidationError as err:
+        raise UsageError(_format_errors(err, where),
+                         f"sections: {_known_keys(Recipe)}; see README 'Recipe format'") from None
+    recipe.compress = [parse_stage(s, i, where) for i, s in enumerate(stages)]
+    recipe.source = str(path) if path else None
+    return recipe
+
+
+def recipe_dict(recipe: Recipe) -> dict:
+    """The recipe as plain data (for reports), stages with their method-specific fields."""
+    data = recipe.model_dump(mode="json", exclude={"compress"})
+    data["compress"] = [s.model_dump(mode="json") for s in recipe.compress]
+    return data

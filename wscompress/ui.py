@@ -1,0 +1,75 @@
+"""Console output: rich progress bars and tables, silenced by quiet mode (CI logs)."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterable, Iterator, TypeVar
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+T = TypeVar("T")
+console = Console(stderr=True)
+QUIET = False
+
+
+def set_quiet(quiet: bool) -> None:
+    global QUIET
+    QUIET = quiet
+    console.quiet = quiet
+
+
+def log(message: str) -> None:
+    console.print(message)
+
+
+def track(items: Iterable[T], description: str, total: int | None = None) -> Iterator[T]:
+    """Iterate with a progress bar (nothing drawn in quiet mode or when nested in another bar)."""
+    if total is None and hasattr(items, "__len__"):
+        total = len(items)
+    if QUIET or _active:
+        yield from items
+        return
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=console, transient=False) as progress, _nested():
+        task = progress.add_task(description, total=total)
+        for item in items:
+            yield item
+            progress.advance(task)
+
+
+_active = False
+
+
+@contextmanager
+def _nested():
+    global _active
+    _active = True
+    try:
+        yield
+    finally:
+        _active = False
+
+
+def table(title: str, rows: list[dict]) -> Table:
+    t = Table(title=title)
+    columns = list(dict.fromkeys(k for r in rows for k in r))
+    for c in columns:
+        t.add_column(c, justify="right" if rows and isinstance(rows[0].get(c), (int, float)) else "left")
+    for r in rows:
+        t.add_row(*(fmt(r.get(c)) for c in columns))
+    return t
+
+
+def fmt(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.4g}" if abs(v) < 1e5 else f"{v:.3e}"
+    return str(v)
+
+
+def show(title: str, rows: list[dict]) -> None:
+    """Print a summary table to stdout (kept in quiet mode: it is the result)."""
+    Console().print(table(title, rows))

@@ -1,0 +1,178 @@
+"""The steps of a recipe: calibrate -> compress -> finetune -> eval -> bench.
+
+Each step reads the recipe, does its work and writes ``<output>/reports/<step>.json/.md``.
+``compress`` writes the model to ``<output>/model`` (atomically), ``finetune`` replaces it
+with the fine-tuned one, ``eval``/``bench`` measure it against the original checkpoint.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from . import calibrate, data, report, storage, ui
+from .errors import UsageError
+from .model import load_model
+from .recipe import ModelConfig, Recipe, recipe_dict
+
+
+class Context:
+    """What a method may ask for besides the model: calibration data and statistics."""
+
+    def __init__(self, recipe: Recipe, tokenizer):
+        self.recipe, self.tokenizer = recipe, tokenizer
+        self._batches: list[torch.Tensor] | None = None
+
+    def calibration(self) -> list[torch.Tensor]:
+        """Calibration batches (token ids), sampled once per run."""
+        if self._batches is None:
+            c = self.recipe.calibration
+            if self.tokenizer is None:
+                raise UsageError("this method needs calibration data but no tokenizer was given",
+                                 "pass tokenizer= to wscompress.compress or load the model with its tokenizer")
+            self._batches = data.calibration_batches(self.tokenizer, c.dataset, c.num_samples, c.seq_len, c.batch_size, c.seed)
+        return self._batches
+
+    def stats_meta(self, model: nn.Module) -> dict:
+        c = self.recipe.calibration
+        return {"model": calibrate.fingerprint(model), "dataset": c.dataset, "num_samples": c.num_samples,
+                "seq_len": c.seq_len, "seed": c.seed}
+
+    def grams(self, model: nn.Module, names: list[str]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """Input Gram matrices of the named linears: from ``<output>/calibration.safetensors``
+        when `calibrate` wrote one for this model and data, else computed now."""
+        path = stats_path(self.recipe)
+        if path.is_file():
+            grams, owner = calibrate.load_grams(path, self.stats_meta(model))
+            if all(n in owner for n in names):
+                return grams, owner
+            ui.log(f"[yellow]{path} lacks some targets; recomputing statistics[/]")
+        return calibrate.collect_grams(model, self.calibration(), names)
+
+
+def stats_path(recipe: Recipe) -> Path:
+    return recipe.out / "calibration.safetensors"
+
+
+def model_path(recipe: Recipe) -> Path:
+    return recipe.out / "model"
+
+
+def apply_stages(model: nn.Module, tokenizer, recipe: Recipe) -> list[dict]:
+    """Run every compress stage in order on ``model`` (in place); one report row per stage."""
+    from .methods import METHODS
+
+    ctx = Context(recipe, tokenizer)
+    rows = []
+    for i, stage in enumerate(recipe.compress):
+        before = storage.stats(model)["params"]
+        start = time.perf_counter()
+        result = METHODS[stage.method].apply(model, stage, ctx) or {}
+        rows.append({"stage": i, "method": stage.method, "params_before": before,
+                     "params_after": storage.stats(model)["params"], "seconds": round(time.perf_counter() - start, 2), **result})
+        ui.log(f"stage {i} {stage.method}: {rows[-1]['params_before']:,} -> {rows[-1]['params_after']:,} parameters")
+    return rows
+
+
+def peak_memory_mb() -> float:
+    """Peak resident memory of this process (CPU) or peak CUDA allocation, in MiB."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def step_calibrate(recipe: Recipe) -> dict:
+    """Collect input Gram matrices of every decoder-layer linear and save them for `compress`."""
+    from .arch import discover
+
+    model, tokenizer = load_model(recipe.model)
+    arch = discover(model)
+    names = [n for i in range(arch.num_layers) for n in arch.projections(i).values()]
+    ctx = Context(recipe, tokenizer)
+    start = time.perf_counter()
+    grams, owner = calibrate.collect_grams(model, ctx.calibration(), names)
+    calibrate.save_grams(stats_path(recipe), grams, owner, ctx.stats_meta(model))
+    out = {"file": str(stats_path(recipe)), "modules": len(owner), "gram_matrices": len(grams),
+           "tokens": sum(b.numel() for b in ctx.calibration()), "seconds": round(time.perf_counter() - start, 2),
+           "peak_memory_mb": round(peak_memory_mb(), 1)}
+    report.write(recipe.out, "calibrate", out, recipe_dict(recipe))
+    return out
+
+
+def step_compress(recipe: Recipe) -> dict:
+    if not recipe.compress:
+        raise UsageError(f"{recipe.source or 'recipe'}: compress: no stages", "add e.g. '- method: svd' with its options")
+    model, tokenizer = load_model(recipe.model)
+    original = storage.stats(model)
+    rows = apply_stages(model, tokenizer, recipe)
+    saved = storage.save(model, tokenizer, model_path(recipe), {"recipe": recipe_dict(recipe), "stages": rows})
+    out = {"model": str(model_path(recipe)), "original": original, "compressed": saved,
+           "param_ratio": saved["params"] / original["params"], "stages": rows,
+           "peak_memory_mb": round(peak_memory_mb(), 1)}
+    report.write(recipe.out, "compress", out, recipe_dict(recipe))
+    ui.show("compress", [{"model": "original", **original}, {"model": "compressed", **saved}])
+    return out
+
+
+def step_finetune(recipe: Recipe, resume: bool = False) -> dict:
+    from .finetune import finetune
+
+    if recipe.finetune is None or not recipe.finetune.enabled:
+        raise UsageError(f"{recipe.source or 'recipe'}: no finetune section", "add 'finetune:' with e.g. steps: 100")
+    model, tokenizer = load_model(_trained_model_config(recipe))
+    model, out = finetune(model, tokenizer, recipe, resume=resume)
+    out["saved"] = storage.save(model, tokenizer, model_path(recipe), {"recipe": recipe_dict(recipe), "finetune": out})
+    report.write(recipe.out, "finetune", out, recipe_dict(recipe))
+    return out
+
+
+def _trained_model_config(recipe: Recipe, path: str | None = None) -> ModelConfig:
+    """The model section pointed at the run's own output when there is one (or at ``path``)."""
+    target = path or (str(model_path(recipe)) if storage.is_compressed(model_path(recipe)) else None)
+    return recipe.model if target is None else recipe.model.model_copy(update={"path": target, "gguf_file": None})
+
+
+def evaluate(model: nn.Module, tokenizer, recipe: Recipe) -> dict:
+    e = recipe.eval
+    from .evaluate.perplexity import evaluate_sources
+
+    out = {"perplexity": evaluate_sources(model, tokenizer, e.perplexity, e.context_length, e.stride, e.batch_size, e.max_windows),
+           **storage.stats(model)}
+    return out
+
+
+def step_eval(recipe: Recipe, path: str | None = None) -> dict:
+    """Evaluate the run's model (or ``path``) and, when it differs, the original checkpoint."""
+    cfg = _trained_model_config(recipe, path)
+    runs = {"model": cfg} if cfg == recipe.model else {"original": recipe.model, "compressed": cfg}
+    results = {}
+    for label, mcfg in runs.items():
+        model, tokenizer = load_model(mcfg)
+        results[label] = evaluate(model, tokenizer, recipe)
+        del model
+    rows = [{"model": label, "source": src, **{k: r["perplexity"][src][k] for k in ("ppl", "tokens", "tokens_per_s")},
+             "params": r["params"]} for label, r in results.items() for src in r["perplexity"]]
+    out = {"results": rows, "details": results}
+    report.write(recipe.out, "eval", out, recipe_dict(recipe))
+    ui.show("eval", rows)
+    return out
+
+
+def step_run(recipe: Recipe) -> dict:
+    """The whole recipe: compress (if stages), finetune (if a section), eval, bench (if a section)."""
+    out = {}
+    if recipe.compress:
+        out["compress"] = step_compress(recipe)
+    if recipe.finetune is not None and recipe.finetune.enabled:
+        out["finetune"] = step_finetune(recipe)
+    out["eval"] = step_eval(recipe)
+    if recipe.bench is not None:
+        from .evaluate.bench import step_bench
+
+        out["bench"] = step_bench(recipe)
+    return out
