@@ -2,10 +2,14 @@
 
 Modes: ``method`` trains only the compressed layers' own parameters (coefficients, low-rank
 deltas, centroids: whatever ``trainable_parameters()`` of each compressed layer returns, all
-its parameters by default), ``full`` trains everything, ``lora`` trains peft LoRA adapters
-(merged back at the end) and ``dkm`` clusters weights with differentiable k-means while
-training (see ``methods/dkm.py``). Batches are drawn deterministically from (seed, step), so a
-run resumed from a checkpoint sees exactly the data an uninterrupted run would.
+its parameters by default), ``full`` trains everything, ``lora`` trains peft LoRA adapters on
+the plain linears named by ``lora_targets`` (merged back at the end, so the compressed
+structure stays as it was) and ``dkm`` clusters weights with differentiable k-means while
+training (see ``methods/dkm.py``).
+
+Resuming is exact: batches are drawn deterministically from (seed, step) and a checkpoint holds
+the trained tensors, the optimizer, the schedule, the RNG states and the loss history, so a run
+interrupted and resumed ends where an uninterrupted one would.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import shutil
 import time
 from pathlib import Path
 from typing import Callable
@@ -22,6 +27,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from . import data, ui
+from .arch import match_modules
 from .errors import UsageError
 from .evaluate.perplexity import perplexity
 from .model import model_device
@@ -29,6 +35,8 @@ from .modules import CompressedLinear
 from .recipe import FinetuneConfig, Recipe
 
 CKPT = "finetune-checkpoint"
+# what must match for a checkpoint to continue the same run
+RESUME_KEYS = ("mode", "dataset", "seq_len", "batch_size", "grad_accum", "steps", "lr", "schedule", "warmup_steps", "seed")
 
 
 def method_parameters(model: nn.Module) -> list[nn.Parameter]:
@@ -38,6 +46,23 @@ def method_parameters(model: nn.Module) -> list[nn.Parameter]:
             getter = getattr(module, "trainable_parameters", module.parameters)
             params.update((id(p), p) for p in getter())
     return list(params.values())
+
+
+def lora_target_names(model: nn.Module, patterns: list[str]) -> list[str]:
+    """Plain linears matching ``patterns`` that LoRA can be merged into without changing the
+    structure: modules referenced under one name only (a shared basis would receive the sum of
+    every layer's adapter on merge, changing the function)."""
+    names: dict[int, list[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        names.setdefault(id(module), []).append(name)
+    matched = match_modules(model, patterns, what="finetune.lora_targets")
+    targets = [n for n, m in matched.items() if len(names[id(m)]) == 1]
+    if len(targets) < len(matched):
+        ui.log(f"[yellow]LoRA skips {len(matched) - len(targets)} shared modules (trained by mode: method instead)[/]")
+    if not targets:
+        raise UsageError("finetune.lora_targets: every matching linear is shared between layers",
+                         "target per-layer modules (e.g. coeff) or use mode: method")
+    return targets
 
 
 def prepare(model: nn.Module, cfg: FinetuneConfig) -> tuple[nn.Module, list[nn.Parameter], Callable[[], dict]]:
@@ -55,15 +80,12 @@ def prepare(model: nn.Module, cfg: FinetuneConfig) -> tuple[nn.Module, list[nn.P
     elif cfg.mode == "lora":
         from peft import LoraConfig, get_peft_model
 
-        lora = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, target_modules="|".join(f".*{t}" for t in cfg.lora_targets))
-        try:
-            model = get_peft_model(model, lora)
-        except ValueError as err:
-            raise UsageError(f"finetune.lora_targets: {err}", "name nn.Linear modules, e.g. [q_proj, v_proj]") from None
+        targets = lora_target_names(model, cfg.lora_targets)
+        model = get_peft_model(model, LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, target_modules=targets))
         params = [p for p in model.parameters() if p.requires_grad]
 
         def finalize() -> dict:
-            return {"lora_merged": True}
+            return {"lora_modules": len(targets), "lora_merged": True}
     else:  # dkm
         from .methods.dkm import prepare_dkm
 
@@ -74,35 +96,66 @@ def prepare(model: nn.Module, cfg: FinetuneConfig) -> tuple[nn.Module, list[nn.P
 
 
 def lr_at(step: int, cfg: FinetuneConfig) -> float:
+    """Learning-rate factor: linear warm-up, then constant, linear or cosine decay to 0."""
     if step < cfg.warmup_steps:
         return (step + 1) / cfg.warmup_steps
     progress = (step - cfg.warmup_steps) / max(cfg.steps - cfg.warmup_steps, 1)
     return {"constant": 1.0, "linear": 1.0 - progress, "cosine": 0.5 * (1 + math.cos(math.pi * progress))}[cfg.schedule]
 
 
-def _save_checkpoint(path: Path, step: int, params: dict[str, nn.Parameter], opt, sched, history: list) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
-    save_file({k: p.detach().contiguous().cpu() for k, p in params.items()}, tmp / "params.safetensors")
-    torch.save({"optimizer": opt.state_dict(), "scheduler": sched.state_dict()}, tmp / "state.pt")
-    (tmp / "progress.json").write_text(json.dumps({"step": step, "history": history}))
-    if path.exists():
-        import shutil
+def _rng_state() -> dict[str, torch.Tensor]:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state.update({f"cuda{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
+    return state
 
-        shutil.rmtree(path)
+
+def _save_checkpoint(path: Path, step: int, params: list[nn.Parameter], opt, sched, history: list, cfg: FinetuneConfig) -> None:
+    """Write the checkpoint next to the old one, then swap: an interruption never leaves half of one."""
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file({f"p{i}": p.detach().contiguous().cpu() for i, p in enumerate(params)}, tmp / "params.safetensors")
+    torch.save({"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "rng": _rng_state()}, tmp / "state.pt")
+    run = {k: getattr(cfg, k) for k in RESUME_KEYS}
+    (tmp / "progress.json").write_text(json.dumps({"step": step, "history": history, "config": run}))
+    shutil.rmtree(path, ignore_errors=True)
     tmp.rename(path)
 
 
-def _load_checkpoint(path: Path, params: dict[str, nn.Parameter], opt, sched) -> tuple[int, list]:
+def _load_checkpoint(path: Path, params: list[nn.Parameter], opt, sched, cfg: FinetuneConfig) -> tuple[int, list]:
+    progress = json.loads((path / "progress.json").read_text())
+    changed = [k for k in RESUME_KEYS if progress["config"].get(k) != getattr(cfg, k)]
+    if changed:
+        raise UsageError(f"{path}: the checkpoint is of another run (finetune.{', finetune.'.join(changed)} differ)",
+                         "resume with the recipe the run started with, or drop --resume to start over")
     tensors = load_file(path / "params.safetensors")
+    if len(tensors) != len(params) or any(tensors[f"p{i}"].shape != p.shape for i, p in enumerate(params)):
+        raise UsageError(f"{path}: the checkpoint's tensors do not match this model's trainable parameters",
+                         "resume on the model the run started from, or drop --resume to start over")
     with torch.no_grad():
-        for k, p in params.items():
-            p.copy_(tensors[k])
+        for i, p in enumerate(params):
+            p.copy_(tensors[f"p{i}"])
     state = torch.load(path / "state.pt", weights_only=True)
     opt.load_state_dict(state["optimizer"])
     sched.load_state_dict(state["scheduler"])
-    progress = json.loads((path / "progress.json").read_text())
+    torch.set_rng_state(state["rng"]["cpu"])
+    if torch.cuda.is_available() and "cuda0" in state["rng"]:
+        torch.cuda.set_rng_state_all([state["rng"][f"cuda{i}"] for i in range(torch.cuda.device_count())])
     return progress["step"], progress["history"]
+
+
+def _mixed_precision(cfg: FinetuneConfig, device: torch.device, params: list[nn.Parameter]):
+    """(autocast context, grad scaler): half-precision compute on CUDA, plain fp32 elsewhere."""
+    if cfg.mixed_precision == "no" or device.type != "cuda":
+        if cfg.mixed_precision != "no":
+            ui.log(f"[yellow]finetune.mixed_precision {cfg.mixed_precision} applies on CUDA only; training in the model's dtype[/]")
+        return contextlib.nullcontext(), torch.amp.GradScaler("cuda", enabled=False)
+    dtype = torch.bfloat16 if cfg.mixed_precision == "bf16" else torch.float16
+    if dtype == torch.float16 and any(p.dtype == torch.float16 for p in params):
+        raise UsageError("finetune.mixed_precision fp16 needs float32 trainable weights (the loss scaler unscales fp32 gradients)",
+                         "load the model with model.dtype: float32, or use mixed_precision: bf16")
+    return torch.autocast("cuda", dtype=dtype), torch.amp.GradScaler("cuda", enabled=dtype == torch.float16)
 
 
 def finetune(model: nn.Module, tokenizer, recipe: Recipe, resume: bool = False,
@@ -116,19 +169,29 @@ def finetune(model: nn.Module, tokenizer, recipe: Recipe, resume: bool = False,
     torch.manual_seed(cfg.seed)
     device = model_device(model)
     model, params, finalize = prepare(model, cfg)
-    named = {n: p for n, p in model.named_parameters() if p.requires_grad}
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(s, cfg))
+    autocast, scaler = _mixed_precision(cfg, device, params)
     ckpt = recipe.out / CKPT
     step, history = 0, []
-    if resume and ckpt.is_dir():
-        step, history = _load_checkpoint(ckpt, named, opt, sched)
-        ui.log(f"resumed from {ckpt} at step {step}")
+    if resume:
+        if ckpt.is_dir():
+            step, history = _load_checkpoint(ckpt, params, opt, sched, cfg)
+            ui.log(f"resumed from {ckpt} at step {step}")
+        else:
+            ui.log(f"[yellow]no checkpoint at {ckpt}; starting from step 0[/]")
     train_ids = data.tokenize(tokenizer, cfg.dataset, max_tokens=max(cfg.steps * cfg.grad_accum * cfg.batch_size * cfg.seq_len, 200_000))
-    eval_ids = data.tokenize(tokenizer, recipe.eval.perplexity[0], max_tokens=cfg.eval_windows * cfg.seq_len + 1)
-    autocast = (torch.autocast(device.type, dtype=getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}[cfg.mixed_precision]))
-                if cfg.mixed_precision != "no" and device.type == "cuda" else contextlib.nullcontext())
-    scaler = torch.amp.GradScaler(enabled=cfg.mixed_precision == "fp16" and device.type == "cuda")
+    eval_source = recipe.eval.perplexity[0] if recipe.eval.perplexity else None
+    eval_ids = None if eval_source is None else data.tokenize(tokenizer, eval_source, max_tokens=cfg.eval_windows * cfg.seq_len + 1)
+
+    def evaluate() -> float | None:
+        if eval_ids is None:
+            return None
+        model.eval()
+        ppl = perplexity(model, eval_ids, cfg.seq_len, max_windows=cfg.eval_windows, label="finetune eval")["ppl"]
+        model.train()
+        return ppl
+
     trainable = sum(p.numel() for p in params)
     start = time.perf_counter()
     model.train()
@@ -151,18 +214,20 @@ def finetune(model: nn.Module, tokenizer, recipe: Recipe, resume: bool = False,
         sched.step()
         entry = {"step": step + 1, "loss": total, "lr": sched.get_last_lr()[0]}
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0:
-            model.eval()
-            entry["ppl"] = perplexity(model, eval_ids, cfg.seq_len, max_windows=cfg.eval_windows, label="finetune eval")["ppl"]
-            model.train()
+            entry["ppl"] = evaluate()
+            ui.log(f"step {step + 1}: loss {total:.4f}, ppl {entry['ppl']}")
         history.append(entry)
-        if (cfg.save_every and (step + 1) % cfg.save_every == 0) or (stop_after is not None and step + 1 >= stop_after):
-            _save_checkpoint(ckpt, step + 1, named, opt, sched, history)
-        if stop_after is not None and step + 1 >= stop_after:
-            return model, {"interrupted_at": step + 1, "history": history}
+        interrupted = stop_after is not None and step + 1 >= stop_after
+        if (cfg.save_every and (step + 1) % cfg.save_every == 0) or interrupted:
+            _save_checkpoint(ckpt, step + 1, params, opt, sched, history, cfg)
+        if interrupted:
+            return model, {"interrupted_at": step + 1, "checkpoint": str(ckpt), "history": history}
+    final_ppl = evaluate()
     model.eval()
-    final_ppl = perplexity(model, eval_ids, cfg.seq_len, max_windows=cfg.eval_windows, label="finetune eval")["ppl"]
     if cfg.mode == "lora":
         model = model.merge_and_unload()
+    for p in model.parameters():
+        p.requires_grad_(False)
     result = finalize()
     return model, {"mode": cfg.mode, "steps": cfg.steps, "trainable_params": trainable, "final_loss": history[-1]["loss"] if history else None,
-            "final_ppl": final_ppl, "seconds": round(time.perf_counter() - start, 2), "history": history, **result}
+                   "final_ppl": final_ppl, "seconds": round(time.perf_counter() - start, 2), "history": history, **result}
