@@ -11,6 +11,7 @@ import zipfile
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from torch import nn
 
 from .errors import UsageError
@@ -57,6 +58,7 @@ def builtin_dir(name: str) -> Path:
         out = tmp / "hf"
         model.save_pretrained(out)
         tokenizer.save_pretrained(out)
+        gguf.rename(out / gguf.name)  # kept: the source of truth, and a real GGUF for tests
         out.rename(target)  # atomic: a half-converted folder never looks finished
     return target
 
@@ -123,11 +125,11 @@ def load_model(cfg: ModelConfig) -> tuple[nn.Module, object]:
                 trust_remote_code=cfg.trust_remote_code or None, device_map=cfg.device_map)
     except UsageError:
         raise
-    except (OSError, ValueError, RuntimeError, KeyError) as err:
+    except (OSError, ValueError, RuntimeError, KeyError, SafetensorError) as err:
         raise UsageError(f"model.path: could not load {cfg.path}: {type(err).__name__}: {str(err).strip()[:400]}",
                          "check the path or hub id and that the checkpoint files are complete") from None
-    if cfg.device_map is None:
-        model.to(device)
+    if cfg.device_map is None or storage.is_compressed(path):
+        model.to(device)  # device_map dispatch applies to stock checkpoints; compressed ones are rebuilt whole
     model.eval()
     return model, tokenizer
 

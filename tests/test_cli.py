@@ -1,0 +1,81 @@
+"""The command line through typer's CliRunner: success paths, reports, and exit code 2 on bad input."""
+
+import json
+
+import yaml
+from typer.testing import CliRunner
+
+from conftest import WIKI_TEST
+from wscompress.cli import app
+
+runner = CliRunner()
+
+
+def recipe(tmp_path, model_dir, **sections):
+    data = {"model": {"path": str(model_dir)},
+            "eval": {"perplexity": [WIKI_TEST], "context_length": 64, "max_windows": 3, "batch_size": 2},
+            "output": {"dir": str(tmp_path / "out")}, **sections}
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_help_lists_every_subcommand():
+    result = runner.invoke(app, ["--help"])
+    assert result.exit_code == 0
+    for cmd in ("calibrate", "compress", "finetune", "eval", "bench", "run", "export", "check"):
+        assert cmd in result.output
+
+
+def test_eval_writes_json_and_markdown(tmp_path, tiny_dir):
+    path = recipe(tmp_path, tiny_dir("llama"))
+    result = runner.invoke(app, ["eval", str(path), "--quiet"])
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "out" / "reports" / "eval.json").read_text())
+    row = report["results"][0]
+    assert row["ppl"] > 1 and row["tokens"] == 3 * 63
+    assert report["environment"]["torch"] and report["recipe"]["eval"]["max_windows"] == 3
+    assert "| model |" in (tmp_path / "out" / "reports" / "eval.md").read_text()
+
+
+def test_set_override_and_output_option(tmp_path, tiny_dir):
+    path = recipe(tmp_path, tiny_dir("gpt2"))
+    result = runner.invoke(app, ["eval", str(path), "-q", "--set", "eval.max_windows=1", "-o", str(tmp_path / "o2")])
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "o2" / "reports" / "eval.json").read_text())
+    assert report["results"][0]["tokens"] == 63
+
+
+def test_bad_recipe_exits_2_with_one_message(tmp_path, tiny_dir):
+    path = recipe(tmp_path, tiny_dir("llama"), calibration={"num_sample": 3})
+    result = runner.invoke(app, ["eval", str(path)])
+    assert result.exit_code == 2
+    assert "calibration.num_sample" in result.output and "fix:" in result.output
+    assert "Traceback" not in result.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_checkpoint_exits_2(tmp_path):
+    path = recipe(tmp_path, tmp_path / "no-such-model")
+    result = runner.invoke(app, ["eval", str(path)])
+    assert result.exit_code == 2 and "not a checkpoint directory" in result.output
+
+
+def test_unknown_method_exits_2(tmp_path, tiny_dir):
+    path = recipe(tmp_path, tiny_dir("llama"), compress=[{"method": "zip"}])
+    result = runner.invoke(app, ["check", str(path)])
+    assert result.exit_code == 2 and "unknown method 'zip'" in result.output
+
+
+def test_compress_without_stages_exits_2(tmp_path, tiny_dir):
+    result = runner.invoke(app, ["compress", str(recipe(tmp_path, tiny_dir("llama")))])
+    assert result.exit_code == 2 and "no stages" in result.output
+
+
+def test_calibrate_writes_statistics(tmp_path, tiny_dir):
+    path = recipe(tmp_path, tiny_dir("llama"), calibration={"dataset": "pydoc", "num_samples": 4, "seq_len": 32})
+    result = runner.invoke(app, ["calibrate", str(path), "-q"])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "out" / "calibration.safetensors").is_file()
+    report = json.loads((tmp_path / "out" / "reports" / "calibrate.json").read_text())
+    assert report["modules"] == 4 * 7 and report["gram_matrices"] == 4 * 4  # q/k/v and gate/up share inputs

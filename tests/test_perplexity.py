@@ -1,0 +1,75 @@
+"""Perplexity protocol against a hand computation, windows, and text sources."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import WIKI_TEST, tiny_model
+from wscompress import data
+from wscompress.errors import UsageError
+from wscompress.evaluate.perplexity import perplexity
+
+
+def hand_ppl(model, ids, length):
+    """Token by token: each non-overlapping window scores its tokens 1..L-1 given the prefix."""
+    nll, n = 0.0, 0
+    for begin in range(0, ids.numel(), length):
+        window = ids[begin: begin + length]
+        if window.numel() < 2:
+            continue
+        with torch.no_grad():
+            logits = model(window[None]).logits[0]
+        for t in range(1, window.numel()):
+            nll -= F.log_softmax(logits[t - 1].double(), -1)[window[t]].item()
+            n += 1
+    return math.exp(nll / n), n
+
+
+def test_matches_hand_computation():
+    model = tiny_model("llama")
+    ids = torch.randint(0, 512, (250,), generator=torch.Generator().manual_seed(0))
+    got = perplexity(model, ids, context_length=64, batch_size=3)
+    want, n = hand_ppl(model, ids, 64)
+    assert got["tokens"] == n and got["windows"] == 4
+    assert got["ppl"] == pytest.approx(want, rel=1e-5)
+    assert got["tokens_per_s"] > 0
+
+
+def test_strided_scores_each_token_once():
+    model = tiny_model("llama")
+    ids = torch.randint(0, 512, (200,), generator=torch.Generator().manual_seed(1))
+    got = perplexity(model, ids, context_length=64, stride=32)
+    assert got["tokens"] == ids.numel() - 1  # every token after the first, exactly once
+    spans = data.windows(ids, 64, 32)
+    assert spans[0] == (0, 64, 1) and spans[1] == (32, 96, 32)
+
+
+def test_max_windows_limits_work():
+    ids = torch.arange(1000)
+    assert len(data.windows(ids, 100, limit=3)) == 3
+
+
+def test_local_text_and_jsonl_sources(tmp_path, tokenizer):
+    (tmp_path / "a.jsonl").write_text('{"text": "hello world"}\n{"text": "class def"}\n')
+    assert data.load_text(str(tmp_path / "a.jsonl")) == "hello world\n\nclass def"
+    assert "wiki" in WIKI_TEST and len(data.load_text(WIKI_TEST)) > 1_000_000
+    assert len(data.load_text("pydoc")) > 100_000
+    ids = data.tokenize(tokenizer, "pydoc", max_tokens=500)
+    assert ids.numel() == 500
+
+
+def test_bad_sources(tmp_path):
+    with pytest.raises(UsageError, match="not found"):
+        data.load_text(str(tmp_path / "missing.txt"))
+    (tmp_path / "bad.jsonl").write_text('{"sentence": 1}\n')
+    with pytest.raises(UsageError, match="'text' field"):
+        data.load_text(str(tmp_path / "bad.jsonl"))
+
+
+def test_calibration_sampling_is_seeded(tokenizer):
+    a = data.calibration_batches(tokenizer, "pydoc", 6, 32, 4, seed=3)
+    b = data.calibration_batches(tokenizer, "pydoc", 6, 32, 4, seed=3)
+    assert [x.shape for x in a] == [(4, 32), (2, 32)]
+    assert all(torch.equal(x, y) for x, y in zip(a, b))

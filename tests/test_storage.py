@@ -1,0 +1,103 @@
+"""Safetensors storage: shared tensors stored once, sharing restored on load, dense export."""
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from conftest import tiny_model
+from wscompress import storage
+from wscompress.arch import set_module
+from wscompress.errors import UsageError
+from wscompress.model import load_model
+from wscompress.recipe import ModelConfig
+
+
+def share_ffn(model):
+    """Layers 0 and 1 use the very same MLP projections (what cross-layer sharing produces)."""
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        set_module(model, f"model.layers.1.mlp.{proj}", model.get_submodule(f"model.layers.0.mlp.{proj}"))
+    return model
+
+
+def logits(model, seed=0):
+    x = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        return model(x).logits
+
+
+def test_shared_modules_stored_once_and_retied(tmp_path, tokenizer):
+    model = share_ffn(tiny_model("llama"))
+    unique = storage.stats(model)["params"]
+    assert unique == sum(p.numel() for p in model.parameters())  # parameters() dedups: the true count
+    saved = storage.save(model, tokenizer, tmp_path / "m")
+    with safe_open(str(tmp_path / "m" / storage.WEIGHTS), "pt") as f:
+        names = list(f.keys())
+    assert not any("layers.1.mlp" in n for n in names)
+    assert "lm_head.weight" not in names  # tied to the embedding: stored once
+    assert saved["params"] == unique
+    assert saved["file_bytes"] == pytest.approx(unique * 4, rel=0.01)
+
+    loaded, tok = storage.load(tmp_path / "m")
+    assert loaded.model.layers[1].mlp.up_proj is loaded.model.layers[0].mlp.up_proj
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    assert torch.equal(logits(model), logits(loaded))
+    assert tok is not None and json.loads((tmp_path / "m" / storage.MANIFEST).read_text())["format"] == "wscompress"
+
+
+def test_untied_model_keeps_both_matrices(tmp_path, tokenizer):
+    model = tiny_model("llama_mha")
+    storage.save(model, tokenizer, tmp_path / "m")
+    loaded, _ = storage.load(tmp_path / "m")
+    assert loaded.lm_head.weight is not loaded.model.embed_tokens.weight
+    assert torch.equal(logits(model), logits(loaded))
+
+
+def test_export_dense_loads_in_stock_transformers(tmp_path, tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    model = share_ffn(tiny_model("llama"))
+    storage.export_dense(model, tokenizer, tmp_path / "dense")
+    stock = AutoModelForCausalLM.from_pretrained(tmp_path / "dense").eval()
+    assert torch.allclose(logits(model), logits(stock), atol=1e-5)
+    assert stock.model.layers[1].mlp.up_proj is not stock.model.layers[0].mlp.up_proj
+    assert stock.lm_head.weight is stock.model.embed_tokens.weight
+
+
+def test_save_is_atomic(tmp_path, tokenizer):
+    model = tiny_model("llama")
+    storage.save(model, tokenizer, tmp_path / "m")
+    with pytest.raises(RuntimeError):
+        with storage.atomic_dir(tmp_path / "m") as tmp:
+            (tmp / "partial").write_text("x")
+            raise RuntimeError("crash mid-write")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]  # old output intact, no temp left
+    assert (tmp_path / "m" / storage.WEIGHTS).is_file() and not (tmp_path / "m" / "partial").exists()
+
+
+def test_corrupt_compressed_checkpoint(tmp_path, tokenizer):
+    storage.save(tiny_model("llama"), tokenizer, tmp_path / "m")
+    (tmp_path / "m" / storage.WEIGHTS).write_bytes(b"garbage")
+    with pytest.raises(UsageError, match="corrupt"):
+        load_model(ModelConfig(path=str(tmp_path / "m")))
+
+
+def test_missing_and_corrupt_hf_checkpoints(tmp_path, tiny_dir):
+    with pytest.raises(UsageError, match="not a checkpoint directory"):
+        load_model(ModelConfig(path=str(tmp_path / "nowhere")))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UsageError, match="no config.json"):
+        load_model(ModelConfig(path=str(tmp_path / "empty")))
+    path = tiny_dir("llama")
+    (path / "model.safetensors").write_bytes(b"\x00" * 64)
+    with pytest.raises(UsageError, match="could not load"):
+        load_model(ModelConfig(path=str(path)))
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "opt", "gemma3"])
+def test_round_trip_other_families(tmp_path, tokenizer, kind):
+    model = tiny_model(kind)
+    storage.save(model, tokenizer, tmp_path / kind)
+    loaded, _ = storage.load(tmp_path / kind)
+    assert torch.equal(logits(model), logits(loaded))
