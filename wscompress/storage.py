@@ -127,6 +127,8 @@ def load(path: str | Path, dtype: torch.dtype | None = None) -> tuple[nn.Module,
     """Rebuild a model written by ``save``: same modules, same sharing, same tensors."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    from . import methods  # noqa: F401  (importing the methods registers their module types)
+
     path = Path(path)
     try:
         manifest = json.loads((path / MANIFEST).read_text())

@@ -1,0 +1,83 @@
+"""Low-rank linear algebra shared by the SVD-family methods (SVD, SVD-LLM, Basis Sharing).
+
+Conventions: weights are (out_features, in_features) as in ``nn.Linear``; a Gram matrix is
+G = XᵀX of a layer's inputs (in, in). A rank-k factorisation W ≈ C·B has a basis
+B (k, in) and coefficients C (out, k). Everything runs in float64 on the device of the
+inputs; callers cast the factors back to the model's dtype at the end.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .errors import UsageError
+
+
+def rank_for_ratio(d_in: int, d_out: int, ratio: float, n: int = 1) -> int:
+    """Rank k that removes ``ratio`` of the parameters of ``n`` (d_out, d_in) matrices sharing
+    one basis: k·(d_in + n·d_out) = (1 - ratio)·n·d_in·d_out (Basis Sharing, eq. 6)."""
+    if not 0 < ratio < 1:
+        raise UsageError(f"ratio {ratio} is outside (0, 1)", "give the fraction of parameters to remove, e.g. ratio: 0.2")
+    k = math.floor((1 - ratio) * n * d_in * d_out / (d_in + n * d_out))
+    if k < 1:
+        raise UsageError(f"ratio {ratio} leaves no rank for a {d_out}x{d_in} matrix", "use a smaller ratio")
+    return k
+
+
+def whitening(gram: torch.Tensor) -> tuple[torch.Tensor, str]:
+    """Lower-triangular S with S·Sᵀ = G (Cholesky, float64), and how it was obtained.
+
+    A Gram matrix that is not positive definite (dead input features, fewer calibration
+    tokens than features) gets its diagonal shifted by |λ_min| plus a small fraction of its
+    mean diagonal, which keeps S invertible; the second value says "cholesky" or "shifted".
+    """
+    g = gram.double()
+    s, info = torch.linalg.cholesky_ex(g)
+    if int(info) == 0:
+        return s, "cholesky"
+    lam_min = torch.linalg.eigvalsh(g)[0].item()
+    scale = max(g.diagonal().mean().item(), 1e-12)
+    shift = max(-lam_min, 0.0) + 1e-6 * scale
+    while True:  # the shift is enough in exact arithmetic; round-off may need a little more
+        s, info = torch.linalg.cholesky_ex(g + shift * torch.eye(g.shape[0], dtype=g.dtype, device=g.device))
+        if int(info) == 0:
+            return s, "shifted"
+        shift *= 10
+
+
+def truncated_svd(w: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The k leading singular triplets (U (m, k), σ (k,), Vᵀ (k, n)) of ``w`` in float64."""
+    u, sigma, vh = torch.linalg.svd(w.double(), full_matrices=False)
+    return u[:, :k], sigma[:k], vh[:k]
+
+
+def low_rank(w: torch.Tensor, k: int, gram: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """Rank-k factors (C (out, k), B (k, in)) of ``w`` ≈ C·B, float64.
+
+    Without a Gram matrix this is the plain truncated SVD (optimal in ‖W - CB‖_F). With one
+    it is SVD-LLM's whitened SVD: SVD of W·S where S·Sᵀ = XᵀX, so truncation is optimal for
+    the output error ‖(W - CB)X‖_F; then B = Vᵀ_k·S⁻¹. The last value names the whitening
+    ("none", "cholesky" or "shifted"). ``w`` may be several layers' weights stacked along
+    the output dimension: their shared basis B comes out the same way.
+    """
+    k = min(k, *w.shape)
+    w = w.double()
+    if gram is None:
+        u, sigma, vh = truncated_svd(w, k)
+        return u * sigma, vh, "none"
+    s, how = whitening(gram.to(w.device))
+    u, sigma, vh = truncated_svd(w @ s, k)
+    basis = torch.linalg.solve_triangular(s, vh, upper=False, left=False)  # Vᵀ_k S⁻¹ without forming S⁻¹
+    return u * sigma, basis, how
+
+
+def refit_coefficients(w: torch.Tensor, basis: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
+    """Coefficients C minimising ‖(W - C·B)X‖_F for a fixed basis B, given G = XᵀX:
+    C = W·G·Bᵀ·(B·G·Bᵀ)⁻¹ (float64; a tiny ridge keeps the solve defined when B·X is rank-deficient)."""
+    w, basis, gram = w.double(), basis.double(), gram.to(w.device).double()
+    gb = gram @ basis.T  # (in, k)
+    a = basis @ gb
+    a = a + 1e-10 * a.diagonal().mean().clamp_min(1e-12) * torch.eye(a.shape[0], dtype=a.dtype, device=a.device)
+    return torch.linalg.solve(a, (w @ gb).T).T

@@ -1,0 +1,157 @@
+"""Stage ``basis_sharing``: one low-rank basis shared by a group of consecutive layers
+(Basis Sharing, Wang et al., ICLR 2025, arXiv 2410.03765).
+
+For every shared projection type (e.g. q) and every group of ``group_size`` consecutive
+layers, the group's weights are stacked along the output dimension, whitened with the
+Cholesky factor of the group's summed input Gram matrices, and factorised by SVD into one
+basis (in -> k) that every layer of the group references (the very same module object, so
+memory and the checkpoint hold it once) and per-layer coefficients (k -> out). The rank
+k = floor((1 - r)·n·d_in·d_out / (d_in + n·d_out)) removes ``ratio`` of the group's
+parameters. Private projections are compressed per layer at the same ratio (SVD-LLM).
+With ``refit: true`` the coefficients are re-solved layer by layer on the inputs the
+compressed model itself produces (the paper's update step, useful from ~40 % on).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import Field, model_validator
+from torch import nn
+
+from .. import ui
+from ..arch import Arch, discover, get_module, set_module, weight_of
+from ..calibrate import GramHook, layerwise
+from ..errors import UsageError
+from ..linalg import low_rank, refit_coefficients
+from ..modules import register_module
+from . import register
+from .svd import LowRankConfig, LowRankLinear, decoder_projections
+
+Role = Literal["q", "k", "v", "o", "qkv", "gate", "up", "down", "gate_up"]
+
+
+@register_module
+class SharedBasisLinear(LowRankLinear):
+    """coeff(basis(x)) whose ``basis`` module is shared with the other layers of its group;
+    saving stores it once and loading re-ties it (see ``storage``)."""
+
+
+class BasisSharingConfig(LowRankConfig):
+    method: Literal["basis_sharing"] = "basis_sharing"
+    group_size: int = Field(2, gt=0, description="consecutive layers sharing one basis per projection type")
+    shared: list[Role] | None = Field(None, description="roles that share bases (default: per architecture)")
+    private: list[Role] | None = Field(None, description="roles compressed per layer (default: the other roles)")
+    refit: bool = Field(False, description="re-solve coefficients on the compressed model's own activations")
+
+    @model_validator(mode="after")
+    def _disjoint_roles(self):
+        both = set(self.shared or ()) & set(self.private or ())
+        if both:
+            raise ValueError(f"roles {sorted(both)} are both shared and private")
+        return self
+
+
+def default_roles(arch: Arch) -> tuple[list[str], list[str]]:
+    """The paper's choice: share the projections reading the block input (q, k, v, gate, up;
+    fused qkv for GPT-2), keep o and down private. GQA's small k/v matrices lose more than
+    they gain from sharing, so with GQA only q, gate and up share."""
+    shareable = {"q", "qkv", "gate", "up", "gate_up"} | (set() if arch.is_gqa else {"k", "v"})
+    roles = arch.roles()
+    return [r for r in roles if r in shareable], [r for r in roles if r not in shareable]
+
+
+def layer_groups(num_layers: int, group_size: int) -> list[list[int]]:
+    """Consecutive groups; when group_size does not divide the depth, the last group holds
+    the remaining layers and gets its own (smaller-n) rank budget."""
+    if group_size > num_layers:
+        raise UsageError(f"basis_sharing.group_size {group_size} exceeds the model's {num_layers} layers",
+                         f"use a group_size between 1 and {num_layers}")
+    return [list(range(s, min(s + group_size, num_layers))) for s in range(0, num_layers, group_size)]
+
+
+def resolve_roles(arch: Arch, cfg: BasisSharingConfig) -> tuple[list[str], list[str]]:
+    shared, private = default_roles(arch)
+    if cfg.shared is not None:
+        shared = list(cfg.shared)
+        if cfg.private is None:
+            private = [r for r in arch.roles() if r not in shared]
+    if cfg.private is not None:
+        private = list(cfg.private)
+    unknown = [r for r in shared + private if r not in arch.roles()]
+    if unknown:
+        raise UsageError(f"basis_sharing: this model has no {unknown[0]!r} projection",
+                         f"its roles are {', '.join(arch.roles())}")
+    return shared, private
+
+
+@register(BasisSharingConfig)
+def apply(model: nn.Module, cfg: BasisSharingConfig, ctx) -> dict:
+    arch = discover(model)
+    groups = layer_groups(arch.num_layers, cfg.group_size)
+    shared, private = resolve_roles(arch, cfg)
+    chosen = decoder_projections(model, arch, cfg)
+    names = [n for n, (_, role) in chosen.items() if role in shared + private]
+    if not names:
+        raise UsageError("basis_sharing: the targets select none of the shared or private projections",
+                         "widen targets or name the roles in shared/private")
+    grams, owner = ctx.grams(model, names)
+
+    new: dict[str, LowRankLinear] = {}  # every replacement is built before any is swapped in
+    ranks: dict[str, int] = {}
+    shifted: list[str] = []
+    with torch.no_grad():
+        for group in ui.track(groups, "basis sharing groups"):
+            for role in shared + private:
+                members = [n for i in group if (n := arch.projections(i).get(role)) in chosen]
+                for part in [members] if role in shared else [[n] for n in members]:
+                    if not part:
+                        continue
+                    modules = [get_module(model, n) for n in part]
+                    w = torch.cat([weight_of(m) for m in modules])  # (n·out, in): one basis for all
+                    d_out, d_in = w.shape[0] // len(part), w.shape[1]
+                    gram = sum(grams[owner[n]].to(w.device) for n in part)
+                    coeff, basis, how = low_rank(w, cfg.rank_for(d_in, d_out, len(part)), gram)
+                    if how == "shifted":
+                        shifted.append(part[0])
+                    ranks[f"{role} (n={len(part)})"] = basis.shape[0]
+                    if role in shared:
+                        lin = nn.Linear(d_in, basis.shape[0], bias=False, device=w.device, dtype=w.dtype)
+                        lin.weight.copy_(basis)
+                        basis = lin
+                    cls = SharedBasisLinear if role in shared else LowRankLinear
+                    for n, m, c in zip(part, modules, coeff.split(d_out)):
+                        new[n] = cls.replacing(m, c, basis)
+    if cfg.refit:
+        _swap_and_refit(model, arch, new, ctx.calibration())
+    else:
+        for n, module in new.items():
+            set_module(model, n, module)
+    remainder = len(groups[-1]) if len(groups[-1]) != cfg.group_size else 0
+    return {"groups": len(groups), "group_size": cfg.group_size,
+            "remainder": (f"the last {remainder} layers form their own group with their own rank budget"
+                          if remainder else None),
+            "shared": shared, "private": private, "ranks": ranks, "refit": cfg.refit, "gram_shifted": shifted}
+
+
+@torch.no_grad()
+def _swap_and_refit(model: nn.Module, arch: Arch, new: dict[str, LowRankLinear], batches: list[torch.Tensor]) -> None:
+    """Swap the replacements in layer by layer; for each layer, re-solve every coefficient
+    matrix against the original weight on the inputs the already-compressed model produces
+    (bases stay fixed), so errors of earlier layers are compensated instead of compounded."""
+    for i, layer, inputs in layerwise(model, batches, arch, label="basis sharing refit"):
+        mine = {n: m for n, m in new.items() if n.startswith(arch.layer_name(i) + ".")}
+        originals = {n: weight_of(get_module(model, n)) for n in mine}
+        for n, m in mine.items():
+            set_module(model, n, m)
+        hook = GramHook(mine)
+        try:
+            for hidden, kwargs in zip(inputs.hidden, inputs.kwargs):
+                layer(hidden, **kwargs)
+                hook.step()
+        finally:
+            hook.close()
+        for n, m in mine.items():
+            coeff = refit_coefficients(originals[n], m.basis.weight, hook.grams[hook.owner[n]])
+            m.coeff.weight.copy_(coeff)
