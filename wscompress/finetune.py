@@ -65,6 +65,20 @@ def lora_target_names(model: nn.Module, patterns: list[str]) -> list[str]:
     return targets
 
 
+def with_penalty(model: nn.Module, weight: float, extra_loss: Callable | None) -> Callable[[nn.Module], torch.Tensor]:
+    """``extra_loss`` plus ``weight`` times the sum of the layers' own ``penalty()`` terms
+    (soft_share: the Frobenius norms ||A_l B_l||^2 of its low-rank deltas)."""
+    terms = [m for m in model.modules() if callable(getattr(m, "penalty", None))]
+    if not terms:
+        raise UsageError("finetune.penalty is set but no layer of the model has a penalty term",
+                         "set finetune.penalty: 0, or compress with a method that has one (soft_share)")
+
+    def loss(m: nn.Module) -> torch.Tensor:
+        total = weight * sum(t.penalty() for t in terms)
+        return total if extra_loss is None else total + extra_loss(m)
+    return loss
+
+
 def prepare(model: nn.Module, cfg: FinetuneConfig) -> tuple[nn.Module, list[nn.Parameter], Callable[[], dict]]:
     """Select the trainable parameters for the mode; returns (model, params, finalize)."""
     for p in model.parameters():
@@ -169,6 +183,8 @@ def finetune(model: nn.Module, tokenizer, recipe: Recipe, resume: bool = False,
     torch.manual_seed(cfg.seed)
     device = model_device(model)
     model, params, finalize = prepare(model, cfg)
+    if cfg.penalty > 0:
+        extra_loss = with_penalty(model, cfg.penalty, extra_loss)
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(s, cfg))
     autocast, scaler = _mixed_precision(cfg, device, params)

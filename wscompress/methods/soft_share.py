@@ -1,0 +1,222 @@
+"""Soft sharing: the FFNs of a window of consecutive layers share one base weight per
+projection, and each layer keeps only a low-rank delta: W_l ~ W_c + A_l B_l.
+
+FFN neurons are in arbitrary order in each layer, so averaging raw weights would average
+unrelated neurons. First the neurons of every layer in the window are aligned to the
+window's first layer: the correlation of their calibration activations (the inputs of the
+down projection) is matched by the Hungarian algorithm, and each layer's gate/up rows and
+down columns are permuted accordingly (which leaves its function unchanged). Then W_c is
+the mean of the aligned weights and A_l B_l the truncated SVD of W_l - W_c. The window's
+position is searched by calibration perplexity. ``finetune`` (mode ``method``) trains only
+the deltas, with the Frobenius penalty ``finetune.penalty`` * sum ||A_l B_l||^2.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from pydantic import Field
+from scipy.optimize import linear_sum_assignment
+from torch import nn
+
+from .. import ui
+from ..arch import Arch, discover, get_module, set_module, weight_of
+from ..errors import UsageError
+from ..model import model_device
+from ..modules import CompressedLinear, register_module
+from ..recipe import StageConfig
+from ..sharing import check_groups, sample_inputs
+from . import register
+
+OUTPUT_ROLES = ("gate", "up")  # rows are the FFN's neurons; "down" has them as columns
+
+
+@register_module
+class LowRankDeltaLinear(CompressedLinear):
+    """y = x (W_c + A B)^T + b: ``base`` (W_c) is an nn.Linear shared by the window's layers;
+    A (out, rank), B (rank, in) and the bias are this layer's own."""
+
+    def __init__(self, in_features: int, out_features: int, rank: int, bias: bool = False):
+        super().__init__()
+        self.in_features, self.out_features, self.rank = in_features, out_features, rank
+        self.base = nn.Linear(in_features, out_features, bias=False)
+        self.a = nn.Parameter(torch.empty(out_features, rank))
+        self.b = nn.Parameter(torch.empty(rank, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + F.linear(F.linear(x, self.b), self.a, self.bias)
+
+    def dense_weight(self) -> torch.Tensor:
+        return self.base.weight + self.a @ self.b
+
+    def spec(self) -> dict:
+        return {"in_features": self.in_features, "out_features": self.out_features, "rank": self.rank,
+                "bias": self.bias is not None}
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [self.a, self.b]  # the shared base stays fixed: only the deltas are trained
+
+    def penalty(self) -> torch.Tensor:
+        """||A B||_F^2, computed as sum((A^T A) * (B B^T)) without forming A B."""
+        return ((self.a.T @ self.a) * (self.b @ self.b.T)).sum()
+
+
+class SoftShareConfig(StageConfig):
+    method: Literal["soft_share"] = "soft_share"
+    window: int = Field(4, ge=2, description="consecutive layers sharing one FFN base")
+    rank: int = Field(16, ge=1, description="rank of each layer's delta A_l B_l")
+    starts: list[int] | None = Field(None, description="first layers of the windows; default: searched by calibration perplexity")
+    num_windows: int = Field(1, ge=1, description="windows placed by the search (greedily, without overlap)")
+    search_stride: int = Field(1, ge=1, description="search every k-th start position")
+    samples_per_batch: int = Field(256, ge=8, description="token rows per calibration batch used to correlate neurons")
+
+
+def ffn_names(arch: Arch, i: int) -> dict[str, str]:
+    """role -> module name of layer i's FFN projections (gate optional)."""
+    roles = {r: n for r, n in arch.projections(i).items() if r in ("gate", "up", "down", "gate_up")}
+    if "gate_up" in roles:
+        raise UsageError(f"layer {i} fuses gate and up projections; soft_share needs them separate",
+                         "use cross_layer or merge on this model")
+    if "up" not in roles or "down" not in roles:
+        raise UsageError(f"layer {i} ({type(arch.layers[i]).__name__}) has no FFN (up/down projections)",
+                         "soft_share shares FFN layers: use cross_layer with what: attn on this model")
+    return roles
+
+
+def alignment(ref: torch.Tensor, acts: torch.Tensor) -> torch.Tensor:
+    """Permutation p such that neuron p[k] of ``acts`` best matches neuron k of ``ref``
+    (Hungarian matching of the activation correlations; both (tokens, neurons))."""
+    def standardize(z: torch.Tensor) -> torch.Tensor:
+        z = z - z.mean(0)
+        return z / z.norm(dim=0).clamp_min(1e-8)
+
+    corr = standardize(ref).T @ standardize(acts)
+    _, cols = linear_sum_assignment(corr.double().cpu().numpy(), maximize=True)
+    return torch.as_tensor(cols, dtype=torch.long)
+
+
+def aligned_weights(arch: Arch, i: int, perm: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+    """role -> (weight (out, in), bias) of layer i's FFN with its neurons reordered by ``perm``:
+    rows of gate/up (and their biases), columns of down. The layer's function is unchanged."""
+    out = {}
+    for role, name in ffn_names(arch, i).items():
+        module = get_module(arch.model, name)
+        w, b = weight_of(module).detach(), getattr(module, "bias", None)
+        b = None if b is None else b.detach()
+        if role in OUTPUT_ROLES:
+            perm_d = perm.to(w.device)
+            out[role] = (w[perm_d], None if b is None else b[perm_d])
+        else:
+            out[role] = (w[:, perm.to(w.device)], b)
+    return out
+
+
+@torch.no_grad()
+def soft_modules(weights: list[dict[str, tuple[torch.Tensor, torch.Tensor | None]]], rank: int) -> list[dict[str, LowRankDeltaLinear]]:
+    """One LowRankDeltaLinear per layer and role: the role's shared base is the mean of the
+    window's aligned weights, each delta the rank-``rank`` truncated SVD of W_l - W_c."""
+    out: list[dict[str, LowRankDeltaLinear]] = [{} for _ in weights]
+    for role in weights[0]:
+        ws = [w[role][0] for w in weights]
+        dtype, device = ws[0].dtype, ws[0].device
+        center = torch.stack([w.float() for w in ws]).mean(0)
+        base = nn.Linear(center.shape[1], center.shape[0], bias=False, device=device, dtype=dtype)
+        base.weight.copy_(center)
+        r = min(rank, *center.shape)
+        for layer, w in enumerate(ws):
+            u, s, vh = torch.linalg.svd(w.float() - center, full_matrices=False)
+            root = s[:r].sqrt()  # balanced factors train better than (U S, V^T)
+            bias = weights[layer][role][1]
+            module = LowRankDeltaLinear(center.shape[1], center.shape[0], r, bias is not None).to(device=device, dtype=dtype)
+            module.base = base
+            module.a.copy_(u[:, :r] * root)
+            module.b.copy_(root[:, None] * vh[:r])
+            if bias is not None:
+                module.bias.copy_(bias)
+            out[layer][role] = module
+    return out
+
+
+class Planner:
+    """Builds soft-shared FFN modules for any window, caching neuron alignments."""
+
+    def __init__(self, arch: Arch, acts: dict[int, torch.Tensor], rank: int):
+        self.arch, self.acts, self.rank = arch, acts, rank
+        self._perms: dict[tuple[int, int], torch.Tensor] = {}
+
+    def perm(self, ref: int, i: int) -> torch.Tensor:
+        if i == ref:
+            return torch.arange(self.acts[i].shape[1])
+        if (ref, i) not in self._perms:
+            self._perms[(ref, i)] = alignment(self.acts[ref], self.acts[i])
+        return self._perms[(ref, i)]
+
+    def build(self, start: int, window: int) -> dict[str, nn.Module]:
+        """Module name -> new module for every FFN projection of layers start..start+window-1."""
+        layers = range(start, start + window)
+        weights = [aligned_weights(self.arch, i, self.perm(start, i)) for i in layers]
+        out = {}
+        for i, modules in zip(layers, soft_modules(weights, self.rank)):
+            names = ffn_names(self.arch, i)
+            out.update((names[role], m) for role, m in modules.items())
+        return out
+
+
+@torch.no_grad()
+def calibration_nll(model: nn.Module, batches: list[torch.Tensor]) -> float:
+    device = model_device(model)
+    losses = [model(input_ids=b.to(device), labels=b.to(device), use_cache=False).loss.item() for b in batches]
+    return sum(losses) / len(losses)
+
+
+def place(model: nn.Module, modules: dict[str, nn.Module]) -> dict[str, nn.Module]:
+    """Swap the named modules in; returns the ones they replaced."""
+    old = {n: get_module(model, n) for n in modules}
+    for n, m in modules.items():
+        set_module(model, n, m)
+    return old
+
+
+def search(model: nn.Module, planner: Planner, candidates: list[int], window: int, batches) -> tuple[int, dict[int, float]]:
+    """The start whose window, soft-shared, gives the lowest calibration NLL (model restored)."""
+    scores = {}
+    for start in ui.track(candidates, "soft_share: searching the window"):
+        old = place(model, planner.build(start, window))
+        scores[start] = calibration_nll(model, batches)
+        place(model, old)
+    return min(scores, key=scores.get), scores
+
+
+@register(SoftShareConfig)
+def apply(model, cfg: SoftShareConfig, ctx) -> dict:
+    arch = discover(model)
+    n = arch.num_layers
+    if cfg.window > n:
+        raise UsageError(f"soft_share: window {cfg.window} exceeds the model's {n} layers", f"use a window of at most {n}")
+    for i in range(n):
+        ffn_names(arch, i)  # refuses a model without FFN layers before any work
+    if cfg.starts is not None:
+        check_groups([list(range(s, s + cfg.window)) for s in cfg.starts], n, what="starts")
+    batches = ctx.calibration()
+    planner = Planner(arch, sample_inputs(model, arch, batches, "down", cfg.samples_per_batch), cfg.rank)
+    scores: dict[int, float] = {}
+    if cfg.starts is not None:
+        starts = cfg.starts
+        for s in starts:
+            place(model, planner.build(s, cfg.window))
+    else:
+        starts = []
+        for _ in range(cfg.num_windows):
+            free = [s for s in range(0, n - cfg.window + 1, cfg.search_stride)
+                    if all(s + cfg.window <= t or t + cfg.window <= s for t in starts)]
+            if not free:
+                raise UsageError(f"soft_share: no room for {cfg.num_windows} windows of {cfg.window} layers in {n} layers",
+                                 "use fewer or smaller windows")
+            best, scores = search(model, planner, free, cfg.window, batches)
+            starts.append(best)
+            place(model, planner.build(best, cfg.window))
+    return {"windows": [list(range(s, s + cfg.window)) for s in starts], "rank": cfg.rank,
+            "search_nll": {str(k): round(v, 4) for k, v in scores.items()}}
