@@ -1,0 +1,93 @@
+"""Recovery fine-tuning: exact resume, LoRA merged into the compressed structure, method mode."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import WIKI_TEST, WIKI_TRAIN, tiny_model
+
+from wscompress import compress
+from wscompress.errors import UsageError
+from wscompress.finetune import finetune, lora_target_names
+from wscompress.methods.svd import LowRankLinear
+from wscompress.recipe import load_recipe
+
+
+def recipe(tmp_path, **finetune_opts):
+    # a slice of the wiki text keeps tokenization (most of a tiny run's time) short
+    text = tmp_path.parent / "train.txt"
+    if not text.is_file():
+        text.write_text(Path(WIKI_TRAIN).read_text()[:60_000])
+    ft = {"dataset": str(text), "seq_len": 32, "batch_size": 2, "steps": 6, "lr": 3e-3, "eval_windows": 2, **finetune_opts}
+    return load_recipe(data={"finetune": ft, "eval": {"perplexity": [WIKI_TEST]}, "output": {"dir": str(tmp_path)}})
+
+
+def svd_model():
+    model = tiny_model("llama")
+    compress(model, [{"method": "svd", "ratio": 0.5, "whitening": False, "targets": ["q_proj", "up_proj"]}])
+    return model
+
+
+def test_interrupted_and_resumed_run_ends_like_an_uninterrupted_one(tmp_path, tokenizer):
+    opts = {"mode": "full", "grad_accum": 2, "warmup_steps": 2, "schedule": "cosine"}
+    full_model, full = finetune(tiny_model("llama"), tokenizer, recipe(tmp_path / "a", **opts))
+
+    r = recipe(tmp_path / "b", **opts)
+    _, partial = finetune(tiny_model("llama"), tokenizer, r, stop_after=3)
+    assert partial["interrupted_at"] == 3 and (tmp_path / "b" / "finetune-checkpoint").is_dir()
+    resumed_model, resumed = finetune(tiny_model("llama"), tokenizer, r, resume=True)
+
+    assert [h["step"] for h in resumed["history"]] == list(range(1, 7))
+    assert resumed["final_loss"] == pytest.approx(full["final_loss"], rel=1e-6)
+    assert resumed["final_ppl"] == pytest.approx(full["final_ppl"], rel=1e-6)
+    assert full["history"][-1]["loss"] < full["history"][0]["loss"]
+    for (name, a), b in zip(full_model.state_dict().items(), resumed_model.state_dict().values()):
+        torch.testing.assert_close(a, b, msg=name)
+
+
+def test_resume_refuses_a_checkpoint_of_another_run(tmp_path, tokenizer):
+    finetune(tiny_model("llama"), tokenizer, recipe(tmp_path, mode="full"), stop_after=1)
+    with pytest.raises(UsageError, match="finetune.lr"):
+        finetune(tiny_model("llama"), tokenizer, recipe(tmp_path, mode="full", lr=1e-2), resume=True)
+
+
+def test_lora_is_merged_into_the_compressed_structure(tmp_path, tokenizer):
+    model = svd_model()
+    x = torch.randint(0, 512, (1, 16))
+    before = model(x).logits
+    trained, out = finetune(model, tokenizer, recipe(tmp_path, mode="lora", lora_targets=["q_proj"], lr=1e-2))
+    assert out["lora_merged"] and out["lora_modules"] == 8  # basis + coeff of 4 layers
+    q = trained.model.layers[0].self_attn.q_proj
+    assert isinstance(q, LowRankLinear) and type(q.coeff) is torch.nn.Linear and type(q.basis) is torch.nn.Linear
+    assert not any("lora" in name for name, _ in trained.named_parameters())
+    assert not torch.allclose(trained(x).logits, before)
+
+
+def test_lora_skips_shared_modules():
+    model = tiny_model("llama")
+    layers = model.model.layers
+    layers[1].mlp.up_proj = layers[0].mlp.up_proj  # one module object under two names
+    names = lora_target_names(model, ["up_proj"])
+    assert "model.layers.0.mlp.up_proj" not in names and "model.layers.2.mlp.up_proj" in names
+    layers[3].mlp.up_proj = layers[2].mlp.up_proj
+    with pytest.raises(UsageError, match="shared"):
+        lora_target_names(model, ["layers\\.[0-3]\\.mlp\\.up_proj"])
+
+
+def test_method_mode_trains_only_the_compressed_layers(tmp_path, tokenizer):
+    model = svd_model()
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if ".q_proj." not in n and ".up_proj." not in n}
+    lowrank = {n: p.detach().clone() for n, p in model.named_parameters() if ".q_proj." in n}
+    # mixed precision is a CUDA feature: on CPU the run goes on in float32
+    trained, out = finetune(model, tokenizer, recipe(tmp_path, mode="method", steps=2, mixed_precision="bf16", schedule="linear"))
+    params = dict(trained.named_parameters())
+    assert out["trainable_params"] == sum(p.numel() for m in trained.modules() if isinstance(m, LowRankLinear) for p in m.parameters())
+    assert all(torch.equal(params[n], p) for n, p in frozen.items())
+    assert any(not torch.equal(params[n], p) for n, p in lowrank.items())
+
+
+def test_method_mode_needs_compressed_layers(tmp_path, tokenizer):
+    with pytest.raises(UsageError, match="no compressed layers"):
+        finetune(tiny_model("llama"), tokenizer, recipe(tmp_path, mode="method"))
