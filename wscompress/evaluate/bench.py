@@ -1,0 +1,153 @@
+"""Latency and throughput of the original vs the compressed model, in one table with ratios.
+
+Each model is measured in a fresh child process, so its load time is a real load and its peak
+memory (CUDA: peak allocation; CPU: peak resident set of the process) is its own. Prefill runs
+the whole prompt without a KV cache; decode times ``decode_tokens`` greedy steps on the cache
+of a prompt. On CUDA the timings come from CUDA events, on CPU from the wall clock; both after
+``warmup`` untimed runs, reported as the median of ``repeats``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+from .. import report, storage, ui
+from ..model import load_model, model_device, resolve_path
+from ..recipe import BenchConfig, ModelConfig, Recipe, recipe_dict
+
+
+def weight_files_bytes(cfg: ModelConfig) -> int | None:
+    """Bytes of the checkpoint's weight files (None for a hub id not in the local cache)."""
+    path, gguf = resolve_path(cfg)
+    folder = Path(path)
+    if not folder.is_dir():
+        from huggingface_hub import snapshot_download
+
+        try:
+            folder = Path(snapshot_download(path, revision=cfg.revision, local_files_only=True))
+        except Exception:  # not cached: hub errors come in many types
+            return None
+    if gguf:
+        return (folder / gguf).stat().st_size
+    files = list(folder.glob("*.safetensors")) or list(folder.glob("*.bin"))
+    return sum(f.stat().st_size for f in files)
+
+
+def _elapsed(device: torch.device, fn: Callable[[], None]) -> float:
+    """Seconds one call of ``fn`` takes: CUDA events on a GPU, the wall clock elsewhere."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize(device)
+        return start.elapsed_time(end) / 1000
+    begin = time.perf_counter()
+    fn()
+    return time.perf_counter() - begin
+
+
+def _median_seconds(device: torch.device, run: Callable[[object], None], setup: Callable[[], object], cfg: BenchConfig) -> float:
+    """Median time of ``run(setup())`` over ``repeats`` after ``warmup`` runs (setup is not timed)."""
+    times = []
+    for i in range(cfg.warmup + cfg.repeats):
+        state = setup()
+        seconds = _elapsed(device, lambda: run(state))
+        if i >= cfg.warmup:
+            times.append(seconds)
+    return statistics.median(times)
+
+
+@torch.no_grad()
+def throughput(model: nn.Module, batch: int, seq_len: int, cfg: BenchConfig) -> dict:
+    """Prefill and decode tokens/s of ``model`` for one (batch size, prompt length)."""
+    device = model_device(model)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(0, model.config.vocab_size, (batch, seq_len), generator=gen).to(device)
+
+    def prefill(_):
+        model(input_ids=x, use_cache=False)
+
+    def prompt_cache():
+        out = model(input_ids=x, use_cache=True)
+        return out.past_key_values, out.logits[:, -1:].argmax(-1)
+
+    def decode(state):
+        past, token = state
+        for _ in range(cfg.decode_tokens):
+            out = model(input_ids=token, past_key_values=past, use_cache=True)
+            past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+
+    row = {"prefill_tok_s": batch * seq_len / _median_seconds(device, prefill, lambda: None, cfg)}
+    if cfg.decode_tokens:
+        row["decode_tok_s"] = batch * cfg.decode_tokens / _median_seconds(device, decode, prompt_cache, cfg)
+    return row
+
+
+def measure(model_cfg: ModelConfig, cfg: BenchConfig, quiet: bool = False) -> dict:
+    """Load one model and measure it (runs in a child process: see the module docstring)."""
+    ui.set_quiet(quiet)
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    model, _ = load_model(model_cfg)
+    load_s = time.perf_counter() - start
+    shapes = {(b, s): throughput(model, b, s, cfg) for b in ui.track(cfg.batch_sizes, "bench batch sizes") for s in cfg.seq_lens}
+    if model_device(model).type == "cuda":
+        peak = torch.cuda.max_memory_allocated() / 2**20
+    else:
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    stats, file_bytes = storage.stats(model), weight_files_bytes(model_cfg)
+    return {"params": stats["params"], "weights_mb": stats["tensor_bytes"] / 2**20,
+            "file_mb": None if file_bytes is None else file_bytes / 2**20, "load_s": load_s, "peak_memory_mb": peak,
+            "device": str(model_device(model)), "shapes": [{"batch": b, "seq_len": s, **r} for (b, s), r in shapes.items()]}
+
+
+def comparison_rows(results: dict[str, dict]) -> list[dict]:
+    """One row per measure, one column per model, plus compressed/original when both exist."""
+    measures = [("params", "params"), ("weights MB", "weights_mb"), ("file MB", "file_mb"), ("load s", "load_s"),
+                ("peak memory MB", "peak_memory_mb")]
+    rows = [{"measure": label, **{m: r[key] for m, r in results.items()}} for label, key in measures]
+    first = next(iter(results.values()))
+    for i, shape in enumerate(first["shapes"]):
+        for key, label in (("prefill_tok_s", "prefill tok/s"), ("decode_tok_s", "decode tok/s")):
+            if key in shape:
+                rows.append({"measure": f"{label} b{shape['batch']} s{shape['seq_len']}",
+                             **{m: r["shapes"][i][key] for m, r in results.items()}})
+    if {"original", "compressed"} <= set(results):
+        for row in rows:
+            a, b = row["original"], row["compressed"]
+            row["compressed/original"] = b / a if a and b is not None else None
+    return rows
+
+
+def step_bench(recipe: Recipe) -> dict:
+    """Benchmark the recipe's model and, when ``compress`` wrote one, ``<output>/model``."""
+    from ..workflow import model_path
+
+    cfg = recipe.bench or BenchConfig()
+    models = {"original": recipe.model}
+    if storage.is_compressed(model_path(recipe)):
+        models["compressed"] = recipe.model.model_copy(update={"path": str(model_path(recipe)), "gguf_file": None})
+    results = {}
+    for label, mcfg in models.items():
+        ui.log(f"bench: {label} ({mcfg.path})")
+        # a fresh interpreter per model (spawn: fork would inherit this process's memory and CUDA state)
+        with ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn")) as pool:
+            results[label] = pool.submit(measure, mcfg, cfg, ui.QUIET).result()
+    rows = comparison_rows(results)
+    out = {"table": rows, "details": results, "timing": "cuda events" if "cuda" in results["original"]["device"] else
+           f"wall clock, median of {cfg.repeats} after {cfg.warmup} warm-up"}
+    report.write(recipe.out, "bench", out, recipe_dict(recipe))
+    ui.show("bench", rows)
+    return out
