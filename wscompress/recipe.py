@@ -83,6 +83,7 @@ class EvalConfig(Strict):
     batch_size: int = Field(4, gt=0)
     max_windows: int | None = Field(None, gt=0, description="evaluate only the first N windows")
     tasks: list[str] = Field(default_factory=list, description="lm-eval task names or local task YAML files")
+    task_data: dict[str, str] = Field(default_factory=dict, description="local task name -> its data file (overrides the YAML's)")
     limit: int | None = Field(None, gt=0, description="lm-eval: examples per task")
     prompts: list[str] = Field(default_factory=list)
     max_new_tokens: int = Field(32, gt=0)

@@ -143,6 +143,14 @@ def evaluate(model: nn.Module, tokenizer, recipe: Recipe) -> dict:
 
     out = {"perplexity": evaluate_sources(model, tokenizer, e.perplexity, e.context_length, e.stride, e.batch_size, e.max_windows),
            **storage.stats(model)}
+    if e.tasks:
+        from .evaluate.lmeval import run_tasks
+
+        out["tasks"] = run_tasks(model, tokenizer, e.tasks, e.limit, e.batch_size, e.task_data, recipe.seed)
+    if e.prompts:
+        from .evaluate.samples import generate_samples
+
+        out["samples"] = generate_samples(model, tokenizer, e.prompts, e.max_new_tokens)
     return out
 
 
@@ -158,8 +166,18 @@ def step_eval(recipe: Recipe, path: str | None = None) -> dict:
     rows = [{"model": label, "source": src, **{k: r["perplexity"][src][k] for k in ("ppl", "tokens", "tokens_per_s")},
              "params": r["params"]} for label, r in results.items() for src in r["perplexity"]]
     out = {"results": rows, "details": results}
+    tasks = [{"model": label, "task": task, **metrics} for label, r in results.items() for task, metrics in r.get("tasks", {}).items()]
+    # one row per prompt, models side by side; whitespace folded for the Markdown table (raw text in details)
+    samples = [{"prompt": s["prompt"], **{label: " ".join(r["samples"][i]["completion"].split()) for label, r in results.items()}}
+               for i, s in enumerate(next(iter(results.values())).get("samples", []))]
+    if tasks:
+        out["tasks"] = tasks
+    if samples:
+        out["samples"] = samples
     report.write(recipe.out, "eval", out, recipe_dict(recipe))
     ui.show("eval", rows)
+    if tasks:
+        ui.show("lm-eval", tasks)
     return out
 
 
