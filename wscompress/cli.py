@@ -115,6 +115,22 @@ def export(model: str = typer.Argument(..., help="Compressed checkpoint folder."
 
 
 @app.command()
+def report(runs: List[Path] = typer.Argument(..., help="Run output directories (or folders of them) with reports/."),
+           out: Path = typer.Option(..., "--out", help="Folder for comparison.csv, comparison.md and comparison.png."),
+           quiet: bool = QuietOpt):
+    """Merge several runs into one comparison table (CSV, Markdown) and a perplexity-vs-size plot."""
+
+    def go():
+        from .compare import compare
+
+        result = compare(runs, out)
+        ui.show("comparison", result["rows"])
+        ui.log(f"wrote {', '.join(result['files'])}")
+
+    _do(quiet, go)
+
+
+@app.command()
 def check(recipe: Path = RecipeArg, set: Optional[List[str]] = SetOpt, quiet: bool = QuietOpt):
     """Validate a recipe (keys, types, methods) without loading a model."""
 
