@@ -102,3 +102,22 @@ def smollm2(smollm2_dir):
     from wscompress import load
 
     return load(str(smollm2_dir))
+
+
+def assert_roundtrip(model, tokenizer, path):
+    """Save ``model``, check the file holds each unique parameter once (float32) and that the
+    reloaded model computes the same logits and generates with its KV cache; returns it."""
+    from wscompress import load, storage
+
+    saved = storage.save(model, tokenizer, path)
+    assert saved["params"] == storage.stats(model)["params"]
+    assert saved["file_bytes"] == pytest.approx(saved["params"] * 4, rel=0.02)
+    reloaded, _ = load(str(path))
+    x = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(x).logits, model(x).logits)
+    prompt = x[:1, :5]
+    cached = reloaded.generate(prompt, max_new_tokens=6, do_sample=False)
+    uncached = reloaded.generate(prompt, max_new_tokens=6, do_sample=False, use_cache=False)
+    assert torch.equal(cached, uncached)
+    return reloaded

@@ -196,6 +196,9 @@ def apply(model, cfg: SoftShareConfig, ctx) -> dict:
     n = arch.num_layers
     if cfg.window > n:
         raise UsageError(f"soft_share: window {cfg.window} exceeds the model's {n} layers", f"use a window of at most {n}")
+    if cfg.starts is None and cfg.window * cfg.num_windows > n:
+        raise UsageError(f"soft_share: no room for {cfg.num_windows} windows of {cfg.window} layers in {n} layers",
+                         "use fewer or smaller windows")
     for i in range(n):
         ffn_names(arch, i)  # refuses a model without FFN layers before any work
     if cfg.starts is not None:
@@ -212,9 +215,9 @@ def apply(model, cfg: SoftShareConfig, ctx) -> dict:
         for _ in range(cfg.num_windows):
             free = [s for s in range(0, n - cfg.window + 1, cfg.search_stride)
                     if all(s + cfg.window <= t or t + cfg.window <= s for t in starts)]
-            if not free:
-                raise UsageError(f"soft_share: no room for {cfg.num_windows} windows of {cfg.window} layers in {n} layers",
-                                 "use fewer or smaller windows")
+            if not free:  # the greedy placement left only gaps shorter than a window
+                raise UsageError(f"soft_share: the searched windows {starts} leave no room for another of {cfg.window} layers",
+                                 "give the windows' first layers explicitly with starts, or use fewer windows")
             best, scores = search(model, planner, free, cfg.window, batches)
             starts.append(best)
             place(model, planner.build(best, cfg.window))

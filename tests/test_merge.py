@@ -1,0 +1,63 @@
+"""merge (averaged FFNs, depth kept) and merge_drop (averaged layers, depth removed)."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from conftest import assert_roundtrip, tiny_model
+from wscompress import compress, storage
+from wscompress.errors import UsageError
+
+
+def test_merge_shares_one_averaged_ffn_per_window(tokenizer, tmp_path):
+    model = tiny_model("llama", layers=6)
+    ups = [model.model.layers[i].mlp.up_proj.weight.detach().clone() for i in range(6)]
+    (row,) = compress(model, [{"method": "merge", "n": 2, "start": 0, "num_windows": 2}])
+    assert row["windows"] == [[0, 1], [2, 3]]
+    layers = model.model.layers
+    assert len(layers) == 6 and layers[0].mlp.up_proj is layers[1].mlp.up_proj
+    assert layers[1].mlp.up_proj is not layers[2].mlp.up_proj
+    torch.testing.assert_close(layers[3].mlp.up_proj.weight, (ups[2] + ups[3]) / 2)
+    torch.testing.assert_close(layers[4].mlp.up_proj.weight, ups[4])  # outside the windows: untouched
+    assert_roundtrip(model, tokenizer, tmp_path / "m")
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "gemma3"])
+def test_merge_drop_removes_depth_and_keeps_generate_working(kind, tokenizer, tmp_path):
+    model = tiny_model(kind, layers=6)
+    layers = model.get_decoder().layers if kind != "gpt2" else model.transformer.h
+    before = [dict(layer.named_parameters()) for layer in layers]
+    expected = {n: (before[2][n] + before[3][n] + before[4][n]) / 3 for n in before[2]}
+    types = getattr(model.config, "layer_types", None)
+    (row,) = compress(model, [{"method": "merge_drop", "n": 3}])  # default: the window ends before the last layer
+    assert row["windows"] == [[2, 3, 4]] and row["layers_after"] == 4
+    layers = model.get_decoder().layers if kind != "gpt2" else model.transformer.h
+    assert model.config.num_hidden_layers == len(layers) == 4
+    if types is not None:
+        assert model.config.layer_types == [types[i] for i in (0, 1, 2, 5)]
+    attn = [m for layer in layers for m in layer.modules() if hasattr(m, "layer_idx")]
+    assert sorted({m.layer_idx for m in attn}) == [0, 1, 2, 3]
+    for n, p in layers[2].named_parameters():
+        torch.testing.assert_close(p, expected[n])
+    reloaded = assert_roundtrip(model, tokenizer, tmp_path / "m")
+    storage.export_dense(reloaded, tokenizer, tmp_path / "dense")
+    stock = AutoModelForCausalLM.from_pretrained(tmp_path / "dense")
+    assert stock.config.num_hidden_layers == 4
+
+
+@pytest.mark.parametrize("method", ["merge", "merge_drop"])
+@pytest.mark.parametrize("options, message", [
+    ({"n": 4}, "need 5 layers"),
+    ({"n": 2, "start": 3}, "exceed"),
+    ({"groups": [[0, 1], [1, 2]]}, "must not overlap"),
+    ({"groups": [[0, 2]]}, "not a run of consecutive layers"),
+    ({"n": 1}, "greater than or equal to 2"),
+])
+def test_bad_windows_are_usage_errors(method, options, message):
+    with pytest.raises(UsageError, match=message):
+        compress(tiny_model("llama"), [{"method": method, **options}])
+
+
+def test_merge_refuses_block_with_other_parts():
+    with pytest.raises(UsageError, match="already covers"):
+        compress(tiny_model("llama"), [{"method": "merge", "parts": ["block", "ffn"]}])

@@ -1,0 +1,128 @@
+"""soft_share: neuron alignment, shared FFN base per window plus low-rank deltas, finetuning."""
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import WIKI_TRAIN, assert_roundtrip, tiny_model
+from test_cross_layer import AttentionOnly
+from wscompress import compress, data
+from wscompress.arch import dims_of, discover, set_module
+from wscompress.errors import UsageError
+from wscompress.finetune import finetune
+from wscompress.methods import METHODS
+from wscompress.methods.soft_share import LowRankDeltaLinear, aligned_weights, alignment, ffn_names
+from wscompress.recipe import load_recipe
+
+
+
+class Calibration:
+    """A method context with a few short calibration batches (tokenizing the whole
+    calibration file for every test would dominate the run time)."""
+
+    def __init__(self, tokenizer):
+        with open(WIKI_TRAIN) as f:
+            ids = tokenizer(f.read(20_000), return_tensors="pt").input_ids[0]
+        self.batches = data.sample_batches(ids, 4, 32, 2, seed=0)
+
+    def calibration(self):
+        return self.batches
+
+
+def soft_share(model, tokenizer, **options) -> dict:
+    (cfg,) = load_recipe(data={"compress": [{"method": "soft_share", **options}]}).compress
+    return METHODS["soft_share"].apply(model, cfg, Calibration(tokenizer))
+
+
+def logits(model):
+    x = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        return model(x).logits
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_permuting_ffn_neurons_leaves_the_function_unchanged(kind):
+    model = tiny_model(kind)
+    before = logits(model)
+    arch = discover(model)
+    perm = torch.randperm(dims_of(model.get_submodule(ffn_names(arch, 1)["down"]))[0], generator=torch.Generator().manual_seed(0))
+    for role, (w, b) in aligned_weights(arch, 1, perm).items():
+        lin = nn.Linear(w.shape[1], w.shape[0], bias=b is not None)
+        with torch.no_grad():
+            lin.weight.copy_(w)
+            if b is not None:
+                lin.bias.copy_(b)
+        set_module(model, ffn_names(arch, 1)[role], lin)
+    torch.testing.assert_close(logits(model), before)
+
+
+def test_alignment_recovers_a_known_permutation():
+    acts = torch.randn(500, 32)
+    perm = torch.randperm(32, generator=torch.Generator().manual_seed(3))
+    shuffled = acts[:, perm] * 2 + 0.01 * torch.randn(500, 32)
+    assert torch.equal(perm[alignment(acts, shuffled)], torch.arange(32))
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_full_rank_deltas_reproduce_the_model(kind, tokenizer):
+    model = tiny_model(kind)
+    before = logits(model)
+    row = soft_share(model, tokenizer, window=2, rank=256, starts=[0, 2])
+    assert row["windows"] == [[0, 1], [2, 3]]
+    torch.testing.assert_close(logits(model), before, atol=1e-4, rtol=1e-4)
+
+
+def test_low_rank_window_shares_the_base_and_saves_once(tokenizer, tmp_path):
+    model = tiny_model("llama")
+    (row,) = compress(model, [{"method": "soft_share", "window": 2, "rank": 4}], tokenizer,
+                      {"dataset": WIKI_TRAIN, "num_samples": 4, "seq_len": 32, "batch_size": 2})
+    (window,) = row["windows"]
+    assert set(row["search_nll"]) == {"0", "1", "2"}
+    assert row["search_nll"][str(window[0])] == min(row["search_nll"].values())
+    a, b = (model.model.layers[i].mlp.down_proj for i in window)
+    assert isinstance(a, LowRankDeltaLinear) and a.base is b.base and a.a is not b.a
+    assert a.trainable_parameters() == [a.a, a.b]
+    torch.testing.assert_close(a.penalty(), (a.a @ a.b).pow(2).sum())
+    assert row["params_after"] == row["params_before"] - 3 * 64 * 128 + 2 * 3 * 4 * (64 + 128)
+    assert_roundtrip(model, tokenizer, tmp_path / "m")
+
+
+def small_recipe(tmp_path, **finetune_options):
+    """A finetune recipe on a short slice of the wiki text (fast to tokenize)."""
+    text = tmp_path / "wiki.txt"
+    with open(WIKI_TRAIN) as f:
+        text.write_text(f.read(30_000))
+    return load_recipe(data={"finetune": {"seq_len": 32, "batch_size": 2, "eval_windows": 1, "dataset": str(text),
+                                          **finetune_options},
+                             "eval": {"perplexity": [str(text)]}, "output": {"dir": str(tmp_path)}})
+
+
+@pytest.mark.parametrize("penalty", [0.0, 10.0])
+def test_finetune_trains_only_the_deltas_with_the_penalty(penalty, tokenizer, tmp_path):
+    model = tiny_model("llama")
+    soft_share(model, tokenizer, window=2, rank=4, starts=[0])
+    layer = model.model.layers[0].mlp.up_proj
+    base, delta = layer.base.weight.detach().clone(), (layer.a @ layer.b).detach().clone()
+    recipe = small_recipe(tmp_path, mode="method", steps=4, lr=1e-2, penalty=penalty)
+    model, report = finetune(model, tokenizer, recipe)
+    assert report["trainable_params"] == 2 * 3 * 4 * (64 + 128)
+    assert torch.equal(layer.base.weight, base)
+    shrunk = (layer.a @ layer.b).norm() < delta.norm() * 0.9
+    assert shrunk == (penalty > 0)
+
+
+def test_penalty_without_penalised_layers_is_a_usage_error(tokenizer, tmp_path):
+    recipe = small_recipe(tmp_path, mode="full", steps=1, penalty=1.0)
+    with pytest.raises(UsageError, match="no layer of the model has a penalty"):
+        finetune(tiny_model("llama"), tokenizer, recipe)
+
+
+@pytest.mark.parametrize("model, options, message", [
+    (lambda: tiny_model("llama"), {"window": 5}, "exceeds the model's 4 layers"),
+    (lambda: tiny_model("llama"), {"window": 2, "starts": [0, 1]}, "must not overlap"),
+    (lambda: tiny_model("llama"), {"window": 2, "num_windows": 3}, "no room"),
+    (AttentionOnly, {"window": 2}, "has no FFN"),
+])
+def test_bad_windows_are_usage_errors(model, options, message, tokenizer):
+    with pytest.raises(UsageError, match=message):
+        soft_share(model(), tokenizer, **options)
