@@ -48,8 +48,9 @@ def _resolve_data(files: Any, yaml_dir: Path, override: str | None, task: str) -
                      f"run from the folder it is relative to, or set eval.task_data.{task}=/path/to/{path.name}")
 
 
-def local_task(path: Path, data_override: str | None = None) -> dict:
-    """A local task YAML loaded as an lm-eval config dict, its data paths resolved."""
+def local_task(path: Path, task_data: dict[str, str]) -> dict:
+    """A local task YAML loaded as an lm-eval config dict, its data paths resolved
+    (``task_data``: task name -> data file that replaces the YAML's)."""
     from lm_eval.tasks._yaml_loader import load_yaml
 
     try:
@@ -58,6 +59,7 @@ def local_task(path: Path, data_override: str | None = None) -> dict:
         raise UsageError(f"task file {path}: {type(err).__name__}: {err}", "fix the task YAML (lm-eval task format)") from None
     if "task" not in cfg:
         raise UsageError(f"task file {path}: no 'task:' name", "local task files define one task ('task: NAME')")
+    data_override = task_data.get(cfg["task"])
     kwargs = dict(cfg.get("dataset_kwargs") or {})
     if "data_files" in kwargs:
         kwargs["data_files"] = _resolve_data(kwargs["data_files"], path.parent, data_override, cfg["task"])
@@ -80,10 +82,9 @@ def task_specs(tasks: list[str], task_data: dict[str, str]) -> tuple[list[str | 
             continue
         if not path.is_file():
             raise UsageError(f"eval.tasks: task file {task} not found", "give an existing lm-eval task YAML or a task name")
-        cfg = local_task(path, task_data.get(path.stem if task in shipped else task) or task_data.get(task))
-        specs.append(cfg)
+        specs.append(local_task(path, task_data))
         folders.append(path.parent.resolve())
-    unused = set(task_data) - {s["task"] for s in specs if isinstance(s, dict)} - set(tasks)
+    unused = set(task_data) - {s["task"] for s in specs if isinstance(s, dict)}
     if unused:
         raise UsageError(f"eval.task_data: {', '.join(sorted(unused))} is not a local task of eval.tasks",
                          "key task_data by the task's name (its YAML 'task:')")
@@ -110,7 +111,8 @@ def run_tasks(model: nn.Module, tokenizer, tasks: list[str], limit: int | None =
     from lm_eval.tasks import TaskManager
 
     specs, folders = task_specs(tasks, task_data or {})
-    manager = TaskManager(include_path=[str(f) for f in folders])
+    # indexing lm-eval's thousands of task files takes seconds: only when a task is named
+    manager = TaskManager(include_path=[str(f) for f in folders], include_defaults=any(isinstance(s, str) for s in specs))
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
     try:
         results = simple_evaluate(model=lm, tasks=specs, limit=limit, task_manager=manager, log_samples=False,

@@ -1,0 +1,73 @@
+"""lm-eval through its Python API on in-memory models, with the shipped offline sentiment task."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+from conftest import SENTIMENT, WIKI_TEST, tiny_model
+
+from wscompress import compress
+from wscompress.errors import UsageError
+from wscompress.evaluate.lmeval import run_tasks, shipped_tasks, task_specs
+from wscompress.evaluate.samples import generate_samples
+from wscompress.recipe import load_recipe
+from wscompress.workflow import step_eval
+
+TASK = "wscompress_sentiment"
+
+
+def test_sentiment_task_runs_offline_on_a_compressed_model(tokenizer):
+    model = tiny_model("llama")
+    compress(model, [{"method": "svd", "ratio": 0.3, "whitening": False, "targets": ["mlp"]}])
+    out = run_tasks(model, tokenizer, [TASK], limit=6, batch_size=4, task_data={TASK: SENTIMENT})
+    metrics = out[TASK]
+    assert 0 <= metrics["acc"] <= 1 and 0 <= metrics["acc_norm"] <= 1 and "acc_stderr" in metrics
+
+
+def test_local_task_yaml_resolves_data_next_to_it(tmp_path, tokenizer):
+    """A task file copied elsewhere with its data finds the data relative to itself."""
+    (tmp_path / "reviews.jsonl").write_text("\n".join(open(SENTIMENT).read().splitlines()[:4]) + "\n")
+    cfg = yaml.safe_load(shipped_tasks()[TASK].read_text())
+    cfg.update(task="my_reviews", dataset_kwargs={"data_files": {"test": "reviews.jsonl"}})
+    (tmp_path / "my_reviews.yaml").write_text(yaml.safe_dump(cfg))
+    specs, folders = task_specs([str(tmp_path / "my_reviews.yaml"), "hellaswag"], {})
+    assert specs[0]["dataset_kwargs"]["data_files"]["test"] == str((tmp_path / "reviews.jsonl").resolve())
+    assert specs[1] == "hellaswag" and tmp_path.resolve() in folders
+    out = run_tasks(tiny_model("llama"), tokenizer, [str(tmp_path / "my_reviews.yaml")])
+    assert out["my_reviews"]["sample_len"] == 4
+
+
+def test_task_errors_name_the_fix(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the shipped task's default data path is relative to the repo root
+    with pytest.raises(UsageError, match=f"eval.task_data.{TASK}"):
+        task_specs([TASK], {})
+    with pytest.raises(UsageError, match="not found"):
+        task_specs([TASK], {TASK: str(tmp_path / "nope.jsonl")})
+    with pytest.raises(UsageError, match="not a local task"):
+        task_specs(["hellaswag"], {"hellaswag": SENTIMENT})
+    with pytest.raises(UsageError, match="task file"):
+        task_specs([str(tmp_path / "missing.yaml")], {})
+
+
+def test_unknown_task_name_is_a_usage_error(tokenizer):
+    with pytest.raises(UsageError, match="eval.tasks"):
+        run_tasks(tiny_model("llama"), tokenizer, ["no_such_task_xyz"], limit=1)
+
+
+def test_eval_step_reports_tasks_and_samples(tmp_path, tiny_dir):
+    r = load_recipe(data={"model": {"path": str(tiny_dir())},
+                          "eval": {"perplexity": [WIKI_TEST], "context_length": 32, "max_windows": 1, "tasks": [TASK],
+                                   "task_data": {TASK: SENTIMENT}, "limit": 4, "prompts": ["The course was"], "max_new_tokens": 5},
+                          "output": {"dir": str(tmp_path / "out")}})
+    out = step_eval(r)
+    assert out["tasks"][0]["task"] == TASK and 0 <= out["tasks"][0]["acc"] <= 1
+    assert out["samples"][0]["prompt"] == "The course was" and isinstance(out["samples"][0]["model"], str)
+    md = (tmp_path / "out" / "reports" / "eval.md").read_text()
+    assert "## tasks" in md and "## samples" in md
+
+
+def test_samples_are_greedy_and_deterministic(tokenizer):
+    model = tiny_model("llama")
+    a = generate_samples(model, tokenizer, ["def f(x):", "Hello"], max_new_tokens=6)
+    assert a == generate_samples(model, tokenizer, ["def f(x):", "Hello"], max_new_tokens=6)
+    assert len(tokenizer(a[0]["completion"], add_special_tokens=False).input_ids) <= 8
