@@ -1,0 +1,46 @@
+"""bench: original vs compressed in one table; the timing helpers' warm-up and medians."""
+
+from __future__ import annotations
+
+import torch
+from conftest import tiny_model
+
+from wscompress import compress, storage
+from wscompress.evaluate import bench
+from wscompress.recipe import BenchConfig, load_recipe
+
+
+def test_bench_compares_original_and_compressed(tmp_path, tiny_dir, tokenizer):
+    original = tiny_dir()
+    model = tiny_model("llama")
+    compress(model, [{"method": "svd", "ratio": 0.5, "whitening": False, "targets": ["mlp"]}])
+    saved = storage.save(model, tokenizer, tmp_path / "run" / "model")
+    r = load_recipe(data={"model": {"path": str(original)}, "output": {"dir": str(tmp_path / "run")},
+                          "bench": {"batch_sizes": [1, 2], "seq_lens": [16], "decode_tokens": 2, "warmup": 0, "repeats": 1}})
+    out = bench.step_bench(r)
+    rows = {row["measure"]: row for row in out["table"]}
+    assert list(rows) == ["params", "weights MB", "file MB", "load s", "peak memory MB",
+                          "prefill tok/s b1 s16", "decode tok/s b1 s16", "prefill tok/s b2 s16", "decode tok/s b2 s16"]
+    assert rows["params"]["compressed"] == saved["params"] < rows["params"]["original"]
+    assert rows["file MB"]["compressed"] * 2**20 == saved["file_bytes"]
+    assert rows["params"]["compressed/original"] == saved["params"] / rows["params"]["original"]
+    assert all(row["original"] > 0 and row["compressed"] > 0 for row in out["table"])
+    assert (tmp_path / "run" / "reports" / "bench.md").read_text().count("compressed/original") == 1
+
+
+def test_median_after_warmup(monkeypatch):
+    times = iter([9.0, 1.0, 3.0, 2.0])  # the first run is warm-up and must not count
+    monkeypatch.setattr(bench, "_elapsed", lambda device, fn: (fn(), next(times))[1])
+    states, seen = iter(range(4)), []
+    median = bench._median_seconds(torch.device("cpu"), seen.append, lambda: next(states), BenchConfig(warmup=1, repeats=3))
+    assert median == 2.0 and seen == [0, 1, 2, 3]
+
+
+def test_throughput_without_decode_and_table_of_one_model():
+    model = tiny_model("gpt2")  # Conv1D projections, learned positions
+    row = bench.throughput(model, 2, 8, BenchConfig(decode_tokens=0, warmup=0, repeats=1))
+    assert list(row) == ["prefill_tok_s"] and row["prefill_tok_s"] > 0
+    result = {"params": 1, "weights_mb": 1.0, "file_mb": None, "load_s": 0.1, "peak_memory_mb": 5.0,
+              "shapes": [{"batch": 2, "seq_len": 8, **row}]}
+    rows = bench.comparison_rows({"original": result})
+    assert [r["measure"] for r in rows][-1] == "prefill tok/s b2 s8" and all("compressed/original" not in r for r in rows)
