@@ -61,3 +61,14 @@ def test_bad_windows_are_usage_errors(method, options, message):
 def test_merge_refuses_block_with_other_parts():
     with pytest.raises(UsageError, match="already covers"):
         compress(tiny_model("llama"), [{"method": "merge", "parts": ["block", "ffn"]}])
+
+
+@pytest.mark.slow
+def test_smollm2_merge_drop_and_gqa_save_reload_and_generate(smollm2_dir, tmp_path):
+    from wscompress import load
+
+    model, tokenizer = load(str(smollm2_dir))
+    rows = compress(model, [{"method": "merge_drop", "n": 2}, {"method": "gqa", "groups": 1}])
+    assert rows[0]["windows"] == [[27, 28]] and model.config.num_hidden_layers == 29
+    assert model.config.num_key_value_heads == 1
+    assert_roundtrip(model, tokenizer, tmp_path / "m")
