@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from . import ui
-from .arch import Arch, discover, get_module
+from .arch import Arch, discover, get_module, is_linear, weight_of
 from .errors import UsageError
 from .model import model_device
 
@@ -97,8 +97,8 @@ class GramHook:
     def __init__(self, modules: dict[str, nn.Module]):
         self.grams: dict[str, torch.Tensor] = {}
         self.owner: dict[str, str] = {}  # module name -> name whose Gram it shares
-        self.tokens = 0
         self._seen: dict[int, tuple[str, torch.Tensor]] = {}  # holding x keeps its address unique
+        self._last: dict[str, int] = {}  # name -> key of the last input it owned (only that one is held)
         self._stack = ExitStack()
         for name, module in modules.items():
             self._stack.callback(module.register_forward_hook(self._hook(name)).remove)
@@ -110,44 +110,49 @@ class GramHook:
             if key in self._seen and self._seen[key][0] != name:
                 self.owner.setdefault(name, self._seen[key][0])
                 return
-            self._seen[key] = (name, x)
+            self._seen.pop(self._last.get(name), None)  # the previous batch's input is done with
+            self._seen[key], self._last[name] = (name, x), key
             self.owner.setdefault(name, name)
             x = x.reshape(-1, x.shape[-1]).double()
             g = x.T @ x
             self.grams[name] = self.grams[name] + g if name in self.grams else g
         return hook
 
-    def step(self) -> None:
-        """Call between batches: pointers of the next batch's tensors mean nothing here."""
-        self._seen.clear()
-
     def close(self) -> None:
         self._stack.close()
+        self._seen.clear()
 
 
 @torch.no_grad()
 def collect_grams(model: nn.Module, batches: list[torch.Tensor], names: list[str]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Gram matrices of the inputs of the named linear modules, layer by layer.
 
-    Returns (canonical name -> Gram (float64, on CPU), module name -> canonical name).
+    The hooks observe the pass that ``layerwise`` makes anyway to feed the next layer, so
+    every layer runs once per batch. Returns (canonical name -> Gram (float64, on CPU),
+    module name -> canonical name).
     """
     arch = discover(model)
     grams: dict[str, torch.Tensor] = {}
     owner: dict[str, str] = {}
-    for i, layer, inputs in layerwise(model, batches, arch, label="calibration (Gram)"):
-        prefix = arch.layer_name(i) + "."
-        mine = {n: get_module(model, n) for n in names if n.startswith(prefix)}
-        if not mine:
-            continue
-        hook = GramHook(mine)
-        try:
-            for hidden, kwargs in zip(inputs.hidden, inputs.kwargs):
-                layer(hidden, **kwargs)
-                hook.step()
-        finally:
-            hook.close()
+    hook: GramHook | None = None
+
+    def harvest() -> None:
+        hook.close()
         grams.update({k: v.cpu() for k, v in hook.grams.items()})
         owner.update(hook.owner)
+
+    try:
+        for i, _layer, _inputs in layerwise(model, batches, arch, label="calibration (Gram)"):
+            if hook is not None:
+                harvest()  # layer i - 1 has run on every batch
+            prefix = arch.layer_name(i) + "."
+            mine = {n: get_module(model, n) for n in names if n.startswith(prefix)}
+            hook = GramHook(mine) if mine else None
+        if hook is not None:
+            harvest()
+    finally:
+        if hook is not None:
+            hook.close()
     outside = [n for n in names if n not in owner]
     if outside:
         raise UsageError(f"calibration covers decoder-layer linears only; {outside[0]} is outside the layers",
@@ -160,7 +165,8 @@ def fingerprint(model: nn.Module) -> str:
     h = hashlib.sha256(json.dumps(model.config.to_diff_dict(), sort_keys=True, default=str).encode())
     arch = discover(model)
     for name in list(arch.projections(0).values())[:2] + [arch.embedding_name]:
-        w = get_module(model, name).weight.detach().float()
+        module = get_module(model, name)
+        w = (weight_of(module) if is_linear(module) else module.weight).detach().float()  # compressed layers too
         h.update(f"{w.sum().item():.6e}:{w.abs().sum().item():.6e}".encode())
     return h.hexdigest()[:16]
 

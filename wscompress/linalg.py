@@ -73,11 +73,14 @@ def low_rank(w: torch.Tensor, k: int, gram: torch.Tensor | None = None) -> tuple
     return u * sigma, basis, how
 
 
-def refit_coefficients(w: torch.Tensor, basis: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
-    """Coefficients C minimising ‖(W - C·B)X‖_F for a fixed basis B, given G = XᵀX:
-    C = W·G·Bᵀ·(B·G·Bᵀ)⁻¹ (float64; a tiny ridge keeps the solve defined when B·X is rank-deficient)."""
+def refit_coefficients(w: torch.Tensor, basis: torch.Tensor, gram: torch.Tensor,
+                       cross: torch.Tensor | None = None) -> torch.Tensor:
+    """Coefficients C of a fixed basis B such that the compressed layer fed X' best reproduces
+    the original layer fed X: argmin ‖X'·Bᵀ·Cᵀ - X·Wᵀ‖_F = W·(XᵀX')·Bᵀ·(B·X'ᵀX'·Bᵀ)⁻¹,
+    given ``gram`` = X'ᵀX' and ``cross`` = XᵀX' (default: X = X'). Float64; a tiny ridge
+    keeps the solve defined when B·X' is rank-deficient."""
     w, basis, gram = w.double(), basis.double(), gram.to(w.device).double()
-    gb = gram @ basis.T  # (in, k)
-    a = basis @ gb
+    cross = gram if cross is None else cross.to(w.device).double()
+    a = basis @ gram @ basis.T
     a = a + 1e-10 * a.diagonal().mean().clamp_min(1e-12) * torch.eye(a.shape[0], dtype=a.dtype, device=a.device)
-    return torch.linalg.solve(a, (w @ gb).T).T
+    return torch.linalg.solve(a, (w @ cross @ basis.T).T).T

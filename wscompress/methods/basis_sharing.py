@@ -22,7 +22,7 @@ from torch import nn
 
 from .. import ui
 from ..arch import Arch, discover, get_module, set_module, weight_of
-from ..calibrate import GramHook, layerwise
+from ..calibrate import LayerInputs, layerwise, run_layer
 from ..errors import UsageError
 from ..linalg import low_rank, refit_coefficients
 from ..modules import register_module
@@ -135,23 +135,39 @@ def apply(model: nn.Module, cfg: BasisSharingConfig, ctx) -> dict:
             "shared": shared, "private": private, "ranks": ranks, "refit": cfg.refit, "gram_shifted": shifted}
 
 
+def _record(model: nn.Module, names: list[str], layer: nn.Module, inputs: LayerInputs) -> tuple[dict, list]:
+    """Run ``layer`` on ``inputs``: (module name -> its input per batch as (tokens, in), the
+    layer's outputs). Modules fed the same tensor (q/k/v) reference the same memory."""
+    seen: dict[str, list[torch.Tensor]] = {n: [] for n in names}
+    handles = [get_module(model, n).register_forward_hook(lambda _m, a, _o, n=n: seen[n].append(a[0].reshape(-1, a[0].shape[-1])))
+               for n in names]
+    try:
+        return seen, run_layer(layer, inputs)
+    finally:
+        for h in handles:
+            h.remove()
+
+
 @torch.no_grad()
 def _swap_and_refit(model: nn.Module, arch: Arch, new: dict[str, LowRankLinear], batches: list[torch.Tensor]) -> None:
-    """Swap the replacements in layer by layer; for each layer, re-solve every coefficient
-    matrix against the original weight on the inputs the already-compressed model produces
-    (bases stay fixed), so errors of earlier layers are compensated instead of compounded."""
+    """Swap the replacements in layer by layer, re-solving every coefficient matrix (bases stay
+    fixed) so that the layer, fed what the already-compressed model produces, reproduces the
+    original layer's outputs on the original inputs (SVD-LLM's update step). Errors of earlier
+    layers are compensated instead of compounded. Runs the original model alongside."""
+    original: LayerInputs | None = None  # what enters layer i in the uncompressed model
     for i, layer, inputs in layerwise(model, batches, arch, label="basis sharing refit"):
-        mine = {n: m for n, m in new.items() if n.startswith(arch.layer_name(i) + ".")}
-        originals = {n: weight_of(get_module(model, n)) for n in mine}
-        for n, m in mine.items():
-            set_module(model, n, m)
-        hook = GramHook(mine)
-        try:
-            for hidden, kwargs in zip(inputs.hidden, inputs.kwargs):
-                layer(hidden, **kwargs)
-                hook.step()
-        finally:
-            hook.close()
-        for n, m in mine.items():
-            coeff = refit_coefficients(originals[n], m.basis.weight, hook.grams[hook.owner[n]])
-            m.coeff.weight.copy_(coeff)
+        original = original or inputs
+        names = [n for n in new if n.startswith(arch.layer_name(i) + ".")]
+        xs, outputs = _record(model, names, layer, original)
+        weights = {n: weight_of(get_module(model, n)) for n in names}
+        for n in names:
+            set_module(model, n, new[n])
+        xcs, _ = _record(model, names, layer, inputs)
+        stats: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # shared by q/k/v, gate/up
+        for n in names:
+            key = (xs[n][0].data_ptr(), xcs[n][0].data_ptr())
+            if key not in stats:
+                stats[key] = (sum(xc.double().T @ xc.double() for xc in xcs[n]),
+                              sum(x.double().T @ xc.double() for x, xc in zip(xs[n], xcs[n])))
+            new[n].coeff.weight.copy_(refit_coefficients(weights[n], new[n].basis.weight, *stats[key]))
+        original = LayerInputs(outputs, original.kwargs)

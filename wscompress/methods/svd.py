@@ -34,6 +34,10 @@ class LowRankLinear(CompressedLinear):
         self.basis = nn.Linear(in_features, rank, bias=False)
         self.coeff = nn.Linear(rank, out_features, bias=bias)
 
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.coeff.bias
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.coeff(self.basis(x))
 
@@ -42,7 +46,7 @@ class LowRankLinear(CompressedLinear):
 
     def spec(self) -> dict:
         return {"in_features": self.in_features, "out_features": self.out_features, "rank": self.rank,
-                "bias": self.coeff.bias is not None, "conv1d": self.conv1d}
+                "bias": self.bias is not None, "conv1d": self.conv1d}
 
     def to_dense(self) -> nn.Module:
         lin = super().to_dense()

@@ -1,0 +1,143 @@
+"""Benchmark: plain SVD vs SVD-LLM vs Basis Sharing on SmolLM2-135M (wiki text).
+
+1. `wscompress calibrate` and `wscompress compress` (Basis Sharing, group 2, 20 %) run as
+   subprocesses with configs/basis_sharing.yaml: their reports give the time and peak memory
+   a user sees, and the saved checkpoint's size is checked against its parameter count.
+2. The Gram matrices written by step 1 are reused (ctx.grams reads them) for every method
+   and ratio in this process: perplexity on wiki.test.txt, compression time, parameters.
+3. Prefill tokens/s (batch 1 and 8) of the original and of each method at the first ratio.
+
+Writes outputs/bench_basis_sharing/results.{json,md} and prints the tables.
+Usage: python scripts/bench_basis_sharing.py [--ratios 0.2 0.3 0.4 0.5] [--windows 16] [--refit]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from wscompress import data, storage
+from wscompress.evaluate.perplexity import perplexity
+from wscompress.model import load_model
+from wscompress.recipe import load_recipe
+from wscompress.workflow import apply_stages
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = REPO / "configs" / "basis_sharing.yaml"
+METHODS = {  # label -> stage (the ratio is filled in per run)
+    "SVD": {"method": "svd", "whitening": False},
+    "SVD-LLM": {"method": "svd", "whitening": True},
+    "Basis Sharing g2": {"method": "basis_sharing", "group_size": 2},
+    "Basis Sharing g4": {"method": "basis_sharing", "group_size": 4},
+}
+
+
+def cli(step: str, out: Path, sets: list[str]) -> dict:
+    """Run one wscompress step in a fresh process and return its report."""
+    cmd = [sys.executable, "-m", "wscompress.cli", step, str(CONFIG), "-o", str(out), "-q"]
+    for s in sets:
+        cmd += ["--set", s]
+    subprocess.run(cmd, check=True, cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    return json.loads((out / "reports" / f"{step}.json").read_text())
+
+
+@torch.inference_mode()
+def prefill_tokens_per_s(model, batch: int, seq_len: int = 128, repeats: int = 3) -> float:
+    device = next(model.parameters()).device
+    x = torch.randint(0, model.config.vocab_size, (batch, seq_len), device=device)
+    model(input_ids=x, use_cache=False)  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        model(input_ids=x, use_cache=False)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return batch * seq_len / best
+
+
+def markdown(rows: list[dict], cols: list[str]) -> str:
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ratios", type=float, nargs="+", default=[0.2, 0.3, 0.4, 0.5])
+    ap.add_argument("--windows", type=int, default=16, help="perplexity windows of 512 tokens")
+    ap.add_argument("--refit", action="store_true", help="add Basis Sharing g2 with coefficient refit")
+    ap.add_argument("--out", type=Path, default=REPO / "outputs" / "bench_basis_sharing")
+    args = ap.parse_args()
+    methods = dict(METHODS)
+    if args.refit:
+        methods["Basis Sharing g2 + refit"] = {"method": "basis_sharing", "group_size": 2, "refit": True}
+    out = args.out.resolve()
+
+    # 1. the CLI steps: statistics once, one compression saved to disk
+    calib = cli("calibrate", out, [])
+    comp = cli("compress", out, [])
+    saved = comp["compressed"]
+    steps = [{"step": "calibrate", "seconds": calib["seconds"], "peak_memory_mb": calib["peak_memory_mb"]},
+             {"step": "compress (BS g2, 20 %, incl. load+save)", "seconds": comp["stages"][0]["seconds"],
+              "peak_memory_mb": comp["peak_memory_mb"], "params": saved["params"], "file_bytes": saved["file_bytes"],
+              "params_x4_bytes": saved["params"] * 4}]
+
+    # 2. every method and ratio in process, reusing the saved Gram matrices
+    recipe = load_recipe(CONFIG, [f"output.dir={out}"])
+    original, tok = load_model(recipe.model)
+    ids = data.tokenize(tok, recipe.eval.perplexity[0], max_tokens=args.windows * 512 + 512)
+    base = perplexity(original, ids, 512, batch_size=4, max_windows=args.windows, label="ppl original")
+    params0 = storage.stats(original)["params"]
+    rows = [{"method": "original", "ratio": 0, "ppl": round(base["ppl"], 2), "params": params0}]
+    speed_models = {"original": original}
+    for label, stage in methods.items():
+        for ratio in args.ratios:
+            model = copy.deepcopy(original)
+            run = recipe.model_copy()
+            run.compress = load_recipe(data={"compress": [{**stage, "ratio": ratio}]}).compress
+            start = time.perf_counter()
+            report = apply_stages(model, tok, run)[0]
+            seconds = time.perf_counter() - start
+            ppl = perplexity(model, ids, 512, batch_size=4, max_windows=args.windows, label=f"ppl {label} {ratio}")
+            rows.append({"method": label, "ratio": ratio, "ppl": round(ppl["ppl"], 2), "params": report["params_after"],
+                         "compress_s": round(seconds, 1), "remainder": report.get("remainder") or ""})
+            print(rows[-1], flush=True)
+            if ratio == args.ratios[0]:
+                speed_models[label] = model
+            else:
+                del model
+
+    # 3. prefill throughput at the first ratio
+    speed = [{"model": label, **{f"prefill tok/s b{b}": round(prefill_tokens_per_s(m, b)) for b in (1, 8)}}
+             for label, m in speed_models.items()]
+
+    table = [{"method": label, **{f"{round(r * 100)} %": next(x["ppl"] for x in rows if x["method"] == label and x["ratio"] == r)
+                                  for r in args.ratios}} for label in methods]
+    md = "\n\n".join([
+        f"Perplexity on wiki.test.txt ({args.windows} windows of 512), original {rows[0]['ppl']}; "
+        f"calibration {recipe.calibration.num_samples}x{recipe.calibration.seq_len} tokens of wiki.train.txt",
+        markdown(table, ["method"] + [f"{round(r * 100)} %" for r in args.ratios]),
+        markdown(rows, ["method", "ratio", "ppl", "params", "compress_s", "remainder"]),
+        markdown(steps, ["step", "seconds", "peak_memory_mb", "params", "file_bytes", "params_x4_bytes"]),
+        f"Prefill tokens/s (seq 128) at ratio {args.ratios[0]}, {torch.get_num_threads()} threads",
+        markdown(speed, ["model", "prefill tok/s b1", "prefill tok/s b8"]),
+    ])
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps({"rows": rows, "table": table, "steps": steps, "speed": speed}, indent=1))
+    (out / "results.md").write_text(md + "\n")
+    print(md)
+
+
+if __name__ == "__main__":
+    main()

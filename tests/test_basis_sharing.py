@@ -1,0 +1,177 @@
+"""The `basis_sharing` stage: exactness, shared bases, rank budget, storage, bad input."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import wscompress
+from conftest import WIKI_TEST, WIKI_TRAIN, tiny_model
+from wscompress import data, storage
+from wscompress.arch import discover
+from wscompress.errors import UsageError
+from wscompress.methods.basis_sharing import SharedBasisLinear
+from wscompress.methods.svd import LowRankLinear
+
+CALIB = {"dataset": "pydoc", "num_samples": 8, "seq_len": 64, "batch_size": 4}
+IDS = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(1))
+
+
+def logits(model) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=IDS).logits
+
+
+def compress(model, tokenizer, **options) -> dict:
+    return wscompress.compress(model, [{"method": "basis_sharing", **options}], tokenizer, CALIB)[0]
+
+
+def layer(model, i):
+    return discover(model).layers[i]
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "opt"])
+def test_full_rank_group_of_one_is_exact(kind, tokenizer):
+    model = tiny_model(kind)
+    ref = logits(model)
+    compress(model, tokenizer, group_size=1, rank=10_000)
+    assert any(isinstance(m, SharedBasisLinear) for m in model.modules())
+    torch.testing.assert_close(logits(model), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_llama_gqa_defaults_share_q_gate_up(tokenizer):
+    model = tiny_model("llama")  # 4 query / 2 kv heads
+    row = compress(model, tokenizer, group_size=2, ratio=0.2)
+    assert row["shared"] == ["q", "gate", "up"] and row["private"] == ["k", "v", "o", "down"]
+    a, b, c = layer(model, 0), layer(model, 1), layer(model, 2)
+    assert a.self_attn.q_proj.basis is b.self_attn.q_proj.basis is not c.self_attn.q_proj.basis
+    assert a.mlp.up_proj.basis is b.mlp.up_proj.basis and a.mlp.gate_proj.basis is b.mlp.gate_proj.basis
+    assert type(a.self_attn.k_proj) is LowRankLinear and a.self_attn.k_proj.basis is not b.self_attn.k_proj.basis
+    # k = floor((1 - r)·n·d_in·d_out / (d_in + n·d_out)) per group, n = 1 for private layers
+    assert a.self_attn.q_proj.rank == int(0.8 * 2 * 64 * 64 / (64 + 2 * 64))
+    assert a.mlp.up_proj.rank == int(0.8 * 2 * 64 * 128 / (64 + 2 * 128))
+    assert a.mlp.down_proj.rank == int(0.8 * 128 * 64 / (128 + 64))
+
+
+def test_mha_shares_k_v_and_roles_are_configurable(tokenizer):
+    model = tiny_model("llama_mha")
+    row = compress(model, tokenizer, group_size=2, ratio=0.3)
+    assert row["shared"] == ["q", "k", "v", "gate", "up"]
+    assert layer(model, 0).self_attn.v_proj.basis is layer(model, 1).self_attn.v_proj.basis
+    model = tiny_model("llama_mha")
+    row = compress(model, tokenizer, group_size=2, ratio=0.3, shared=["down"], private=[])
+    assert row["shared"] == ["down"] and row["private"] == []
+    assert type(layer(model, 0).mlp.up_proj).__name__ == "Linear"
+    assert layer(model, 0).mlp.down_proj.basis is layer(model, 1).mlp.down_proj.basis
+
+
+def test_remainder_group_gets_its_own_budget(tokenizer):
+    model = tiny_model("llama", layers=5)
+    row = compress(model, tokenizer, group_size=2, ratio=0.4)
+    assert row["groups"] == 3 and "last 1 layers" in row["remainder"]
+    last = layer(model, 4).self_attn.q_proj
+    assert last.basis is not layer(model, 3).self_attn.q_proj.basis
+    assert last.rank == int(0.6 * 64 * 64 / (64 + 64))
+    assert compress(tiny_model("llama"), tokenizer, group_size=2, ratio=0.4)["remainder"] is None
+
+
+def test_sharing_removes_the_promised_parameters(tokenizer):
+    model = tiny_model("llama_mha")
+    row = compress(model, tokenizer, group_size=4, ratio=0.5, shared=["q", "k", "v", "o", "gate", "up", "down"], private=[])
+    square, wide = int(0.5 * 4 * 64 * 64 / (64 + 4 * 64)), int(0.5 * 4 * 64 * 128 / (64 + 4 * 128))
+    tall = int(0.5 * 4 * 128 * 64 / (128 + 4 * 64))
+    kept = 4 * square * (64 + 4 * 64) + 2 * wide * (64 + 4 * 128) + tall * (128 + 4 * 64)
+    assert row["params_before"] - row["params_after"] == 4 * (4 * 64 * 64 + 3 * 64 * 128) - kept
+
+
+def test_save_reload_stores_each_basis_once(tmp_path, tokenizer):
+    model = tiny_model("llama")
+    compress(model, tokenizer, group_size=2, ratio=0.3)
+    out = logits(model)
+    saved = storage.save(model, tokenizer, tmp_path / "m")
+    with safe_open(str(tmp_path / "m" / storage.WEIGHTS), "pt") as f:
+        keys = list(f.keys())
+    assert sum(k.endswith("q_proj.basis.weight") for k in keys) == 2  # 4 layers, 2 groups
+    assert sum(k.endswith("k_proj.basis.weight") for k in keys) == 4  # private: one a layer
+    assert saved["params"] == storage.stats(model)["params"]
+    assert abs(saved["file_bytes"] - 4 * saved["params"]) < 0.02 * saved["file_bytes"]
+    manifest = json.loads((tmp_path / "m" / storage.MANIFEST).read_text())
+    assert manifest["module_aliases"]["model.layers.1.self_attn.q_proj.basis"] == "model.layers.0.self_attn.q_proj.basis"
+
+    loaded, _ = wscompress.load(tmp_path / "m")
+    assert layer(loaded, 0).self_attn.q_proj.basis is layer(loaded, 1).self_attn.q_proj.basis
+    assert isinstance(layer(loaded, 3).mlp.gate_proj, SharedBasisLinear)
+    torch.testing.assert_close(logits(loaded), out)
+    assert storage.stats(loaded)["params"] == saved["params"]
+
+
+def test_dense_export_loads_in_stock_transformers(tmp_path, tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    model = tiny_model("opt")
+    compress(model, tokenizer, group_size=2, ratio=0.3)
+    storage.export_dense(model, tokenizer, tmp_path / "dense")
+    stock = AutoModelForCausalLM.from_pretrained(tmp_path / "dense").eval()
+    torch.testing.assert_close(logits(stock), logits(model), atol=1e-4, rtol=1e-4)
+
+
+def test_refit_keeps_bases_and_lowers_the_error(tokenizer):
+    calib = torch.cat(data.calibration_batches(tokenizer, CALIB["dataset"], 8, 64, 4, seed=0))
+    base = tiny_model("llama_mha")
+    with torch.no_grad():
+        ref = base(input_ids=calib).logits
+    errors, bases = {}, {}
+    for refit in (False, True):
+        model = tiny_model("llama_mha")
+        compress(model, tokenizer, group_size=2, ratio=0.5, refit=refit)
+        assert layer(model, 0).self_attn.q_proj.basis is layer(model, 1).self_attn.q_proj.basis
+        bases[refit] = layer(model, 0).self_attn.q_proj.basis.weight
+        with torch.no_grad():
+            errors[refit] = (model(input_ids=calib).logits - ref).norm().item()
+    assert torch.equal(bases[True], bases[False])
+    assert errors[True] < errors[False]
+
+
+def test_singular_gram_falls_back_to_a_shift(tokenizer):
+    model = tiny_model("llama")
+    row = wscompress.compress(model, [{"method": "basis_sharing", "ratio": 0.2}], tokenizer,
+                              {"dataset": "pydoc", "num_samples": 1, "seq_len": 16, "batch_size": 1})[0]
+    assert row["gram_shifted"]  # 16 tokens cannot span 64 input features
+    assert torch.isfinite(logits(model)).all()
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"group_size": 5}, "exceeds the model's 4 layers"),
+    ({"ratio": 1.0}, "ratio"),
+    ({"ratio": 0.0}, "ratio"),
+    ({"group_size": 0}, "group_size"),
+    ({"shared": ["q"], "private": ["q"]}, "both shared and private"),
+    ({"shared": ["qkv"]}, "no 'qkv' projection"),
+    ({"shared": ["query"]}, "shared"),
+])
+def test_bad_input(options, match, tokenizer):
+    model = tiny_model("llama")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(UsageError, match=match):
+        compress(model, tokenizer, **options)
+    after = model.state_dict()  # no partial output: the model is untouched
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.slow
+def test_smollm2_basis_sharing_keeps_quality(smollm2, tmp_path):
+    from wscompress.evaluate.perplexity import perplexity
+
+    model, tok = smollm2
+    model = copy.deepcopy(model)
+    ids = data.tokenize(tok, WIKI_TEST, max_tokens=4 * 512)
+    base = perplexity(model, ids, 512, max_windows=4)["ppl"]
+    row = wscompress.compress(model, [{"method": "basis_sharing", "ratio": 0.2, "group_size": 2}], tok,
+                              {"dataset": WIKI_TRAIN, "num_samples": 8, "seq_len": 256})[0]
+    assert row["shared"] == ["q", "gate", "up"]  # GQA 9/3
+    ppl = perplexity(model, ids, 512, max_windows=4)["ppl"]
+    assert base < ppl < 3 * base

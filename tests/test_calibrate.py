@@ -1,0 +1,127 @@
+"""Layer-wise calibration: Gram matrices, sharing between modules, saved statistics."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from wscompress import calibrate, data
+from wscompress.arch import discover, get_module
+from wscompress.errors import UsageError
+from wscompress.recipe import load_recipe
+from wscompress.workflow import Context, stats_path, step_calibrate
+
+
+def batches(n: int = 3, seq_len: int = 16, seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return list(torch.randint(0, 512, (n * 2, seq_len), generator=gen).split(2))
+
+
+def all_projections(model) -> list[str]:
+    arch = discover(model)
+    return [n for i in range(arch.num_layers) for n in arch.projections(i).values()]
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "opt"])
+def test_grams_equal_direct_computation(kind):
+    model = tiny_model(kind)
+    names = all_projections(model)
+    grams, owner = calibrate.collect_grams(model, batches(), names)
+    # the reference: inputs of every linear captured during ordinary whole-model forwards
+    seen: dict[str, list[torch.Tensor]] = {n: [] for n in names}
+    handles = [get_module(model, n).register_forward_hook(lambda m, a, o, n=n: seen[n].append(a[0].detach()))
+               for n in names]
+    with torch.no_grad():
+        for b in batches():
+            model(input_ids=b, use_cache=False)
+    for h in handles:
+        h.remove()
+    for name in names:
+        x = torch.cat([t.reshape(-1, t.shape[-1]) for t in seen[name]]).double()
+        torch.testing.assert_close(grams[owner[name]], x.T @ x, rtol=1e-4, atol=1e-6)
+
+
+def test_modules_fed_the_same_input_share_one_gram():
+    model = tiny_model("llama")
+    names = all_projections(model)
+    grams, owner = calibrate.collect_grams(model, batches(), names)
+    p = discover(model).projections(1)
+    assert owner[p["q"]] == owner[p["k"]] == owner[p["v"]] != owner[p["o"]]
+    assert owner[p["gate"]] == owner[p["up"]] != owner[p["down"]]
+    assert len(grams) == 4 * discover(model).num_layers  # attn in, o in, mlp in, down in
+
+
+def test_layers_run_one_after_another():
+    """Peak memory is one layer's activations: every batch passes layer i before any reaches
+    layer i + 1, and capturing the inputs never runs a layer past the first."""
+    model = tiny_model("llama")
+    arch = discover(model)
+    order: list[int] = []
+    for i, layer in enumerate(arch.layers):
+        layer.register_forward_pre_hook(lambda m, a, i=i: order.append(i))
+    inputs = calibrate.capture_inputs(model, arch, batches())
+    assert order == [0, 0, 0] and len(inputs.hidden) == 3
+    order.clear()
+    calibrate.collect_grams(model, batches(), all_projections(model))
+    assert order == sorted(order) and set(order) == set(range(arch.num_layers))
+
+
+def test_outside_layers_is_a_usage_error():
+    model = tiny_model("llama_mha")
+    with pytest.raises(UsageError, match="outside the layers"):
+        calibrate.collect_grams(model, batches(), ["lm_head"])
+
+
+def test_saved_statistics_roundtrip_and_mismatch(tmp_path):
+    model = tiny_model("llama")
+    names = all_projections(model)
+    grams, owner = calibrate.collect_grams(model, batches(), names)
+    meta = {"model": calibrate.fingerprint(model), "dataset": "a.txt"}
+    path = tmp_path / "calibration.safetensors"
+    calibrate.save_grams(path, grams, owner, meta)
+    loaded, loaded_owner = calibrate.load_grams(path, meta)
+    assert loaded_owner == owner and all(torch.equal(loaded[k], grams[k]) for k in grams)
+    other = tiny_model("llama", seed=1)
+    with pytest.raises(UsageError, match="model="):
+        calibrate.load_grams(path, {**meta, "model": calibrate.fingerprint(other)})
+    with pytest.raises(UsageError, match="dataset="):
+        calibrate.load_grams(path, {**meta, "dataset": "b.txt"})
+    path.write_bytes(b"garbage")
+    with pytest.raises(UsageError, match="unreadable"):
+        calibrate.load_grams(path, meta)
+
+
+def test_fingerprint_of_a_compressed_model():
+    import wscompress
+
+    model = tiny_model("llama")
+    before = calibrate.fingerprint(model)
+    wscompress.compress(model, [{"method": "svd", "whitening": False, "ratio": 0.5}])
+    assert calibrate.fingerprint(model) != before
+
+
+def test_step_calibrate_file_is_reused_and_checked(tmp_path, tiny_dir, monkeypatch):
+    recipe = load_recipe(data={"model": {"path": str(tiny_dir("llama"))},
+                               "calibration": {"dataset": "pydoc", "num_samples": 4, "seq_len": 32, "batch_size": 2},
+                               "output": {"dir": str(tmp_path / "run")}})
+    out = step_calibrate(recipe)
+    assert stats_path(recipe).is_file() and out["modules"] == 7 * 4
+    from wscompress.model import load_model
+
+    model, tok = load_model(recipe.model)
+    names = all_projections(model)
+    direct, direct_owner = calibrate.collect_grams(model, Context(recipe, tok).calibration(), names)
+    monkeypatch.setattr(calibrate, "collect_grams", lambda *a, **k: pytest.fail("statistics were recomputed"))
+    grams, owner = Context(recipe, tok).grams(model, names)
+    assert owner == direct_owner and all(torch.allclose(grams[k], direct[k]) for k in direct)
+    # the same output folder with another calibration set: reported, not silently reused
+    other = recipe.model_copy(update={"calibration": recipe.calibration.model_copy(update={"seed": 1})})
+    with pytest.raises(UsageError, match="seed="):
+        Context(other, tok).grams(model, names)
+
+
+def test_calibration_batches_are_deterministic(tokenizer):
+    a = data.calibration_batches(tokenizer, "pydoc", 4, 32, 2, seed=0)
+    b = data.calibration_batches(tokenizer, "pydoc", 4, 32, 2, seed=0)
+    assert len(a) == 2 and all(torch.equal(x, y) for x, y in zip(a, b))

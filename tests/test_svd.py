@@ -1,0 +1,121 @@
+"""linalg helpers and the `svd` stage (plain truncated SVD and SVD-LLM)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import wscompress
+from conftest import tiny_model
+from wscompress import storage
+from wscompress.errors import UsageError
+from wscompress.linalg import low_rank, rank_for_ratio, refit_coefficients, whitening
+from wscompress.methods.svd import LowRankLinear
+
+CALIB = {"dataset": "pydoc", "num_samples": 8, "seq_len": 64, "batch_size": 4}
+IDS = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(1))
+
+
+def logits(model) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=IDS).logits
+
+
+def test_rank_for_ratio():
+    assert rank_for_ratio(576, 576, 0.2) == 230  # 0.8·576²/1152
+    assert rank_for_ratio(576, 1536, 0.4, n=2) == int(0.6 * 2 * 576 * 1536 / (576 + 2 * 1536))
+    for bad in (0, 1, -0.1, 1.5):
+        with pytest.raises(UsageError, match="outside"):
+            rank_for_ratio(64, 64, bad)
+
+
+def test_whitening_cholesky_and_shift_fallback():
+    x = torch.randn(200, 16, dtype=torch.float64)
+    s, how = whitening(x.T @ x)
+    assert how == "cholesky" and torch.allclose(s @ s.T, x.T @ x)
+    singular = x[:5].T @ x[:5]  # 5 tokens, 16 features: rank 5
+    s, how = whitening(singular)
+    assert how == "shifted" and torch.linalg.matrix_rank(s) == 16
+    assert torch.allclose(s @ s.T, singular, atol=1e-4 * singular.diagonal().mean().item())
+    s, how = whitening(torch.zeros(8, 8))  # a dead input: still invertible
+    assert how == "shifted" and torch.all(s.diagonal() > 0)
+
+
+def test_whitened_truncation_beats_plain_svd_on_the_data():
+    torch.manual_seed(0)
+    x = torch.randn(500, 32, dtype=torch.float64) * torch.logspace(0, 2, 32, dtype=torch.float64)  # anisotropic inputs
+    w = torch.randn(48, 32, dtype=torch.float64)
+    c, b, how = low_rank(w, 8, x.T @ x)
+    cp, bp, _ = low_rank(w, 8)
+    assert how == "cholesky" and c.shape == (48, 8) and b.shape == (8, 32)
+    err = lambda c_, b_: torch.linalg.norm(x @ (w - c_ @ b_).T)  # noqa: E731
+    assert err(c, b) < 0.9 * err(cp, bp)
+    assert torch.linalg.norm(w - cp @ bp) <= torch.linalg.norm(w - c @ b)  # plain SVD wins on the weights
+    full_c, full_b, _ = low_rank(w, 100, x.T @ x)  # rank capped at 32: exact
+    assert torch.allclose(full_c @ full_b, w)
+
+
+def test_refit_minimises_error_for_a_fixed_basis():
+    torch.manual_seed(0)
+    f64 = {"dtype": torch.float64}
+    x, w, basis = torch.randn(300, 24, **f64), torch.randn(20, 24, **f64), torch.randn(6, 24, **f64)
+    drifted = x + 0.3 * torch.randn(300, 24, **f64)  # what a compressed model feeds the layer instead of x
+    c = refit_coefficients(w, basis, drifted.T @ drifted, x.T @ drifted)
+    best = torch.linalg.lstsq(drifted @ basis.T, x @ w.T).solution.T  # least squares on the data itself
+    assert torch.allclose(c, best, atol=1e-6)
+    same = refit_coefficients(w, basis, x.T @ x)
+    assert torch.allclose(same, torch.linalg.lstsq(x @ basis.T, x @ w.T).solution.T, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "opt"])
+@pytest.mark.parametrize("whitening_", [True, False])
+def test_full_rank_is_exact(kind, whitening_, tokenizer):
+    model = tiny_model(kind)
+    ref = logits(model)
+    wscompress.compress(model, [{"method": "svd", "rank": 10_000, "whitening": whitening_}], tokenizer, CALIB)
+    assert any(isinstance(m, LowRankLinear) for m in model.modules())
+    torch.testing.assert_close(logits(model), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_ratio_sets_parameters_and_whitening_helps(tokenizer):
+    ids = torch.randint(0, 512, (4, 64), generator=torch.Generator().manual_seed(2))
+    base = tiny_model("llama_mha")
+    errors = {}
+    for whiten in (True, False):
+        model = tiny_model("llama_mha")
+        row = wscompress.compress(model, [{"method": "svd", "ratio": 0.4, "whitening": whiten}], tokenizer, CALIB)[0]
+        # 4 layers × (4 of 64x64, 2 of 64x128 + 128x64); ranks floor(0.6·d_in·d_out/(d_in+d_out))
+        dense = 4 * (4 * 64 * 64 + 3 * 64 * 128)
+        low = 4 * (4 * 19 * 128 + 3 * 25 * 192)
+        assert row["params_before"] - row["params_after"] == dense - low
+        with torch.no_grad():
+            errors[whiten] = (model(input_ids=ids).logits - base(input_ids=ids).logits).norm().item()
+    assert errors[True] < errors[False]
+
+
+def test_targets_and_options_validated(tokenizer):
+    model = tiny_model("llama")
+    wscompress.compress(model, [{"method": "svd", "ratio": 0.3, "whitening": False, "targets": ["mlp"], "ignore": ["down"]}])
+    kinds = {n.rsplit(".", 1)[-1]: type(m).__name__ for n, m in model.named_modules() if n.startswith("model.layers.0.")}
+    assert kinds["gate_proj"] == kinds["up_proj"] == "LowRankLinear"
+    assert kinds["down_proj"] == kinds["q_proj"] == "Linear"
+    for bad, match in [({"ratio": 1.0}, "ratio"), ({"ratio": 0}, "ratio"), ({"ratio": 0.2, "rank": 4}, "either ratio or rank"),
+                       ({"targets": ["nothing_here"]}, "matches no module")]:
+        with pytest.raises(UsageError, match=match):
+            wscompress.compress(tiny_model("llama"), [{"method": "svd", "whitening": False, **bad}])
+
+
+def test_gpt2_save_load_and_dense_export(tmp_path, tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    model = tiny_model("gpt2")
+    wscompress.compress(model, [{"method": "svd", "ratio": 0.3}], tokenizer, CALIB)
+    out = logits(model)
+    saved = storage.save(model, tokenizer, tmp_path / "m")
+    loaded, _ = storage.load(tmp_path / "m")
+    assert isinstance(loaded.transformer.h[0].attn.c_attn, LowRankLinear)
+    torch.testing.assert_close(logits(loaded), out)
+    assert abs(saved["file_bytes"] - 4 * saved["params"]) < 0.02 * saved["file_bytes"]
+    storage.export_dense(loaded, tokenizer, tmp_path / "dense")
+    stock = AutoModelForCausalLM.from_pretrained(tmp_path / "dense").eval()  # Conv1D weights back in (in, out)
+    torch.testing.assert_close(logits(stock), out, atol=1e-4, rtol=1e-4)
