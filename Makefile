@@ -30,5 +30,37 @@ test: install
 test-fast: install
 	$(PY) -m pytest -q -m "not slow"
 
+# Paper tables: every recipe of a set at every ratio, one run folder each, then one merged table
+# and plot (wscompress report). Calibration statistics are collected once per set and copied into
+# each run (compress reuses them when model and data match). As in the Basis Sharing paper, its
+# coefficients are refit on the compressed model's activations from REFIT_FROM on.
+SMALL_RATIOS ?= 0.2 0.4
+PAPER_RATIOS ?= 0.2 0.3 0.4 0.5
+PAPER_MODELS ?= llama-7b llama2-7b mistral-7b opt-6.7b
+REFIT_FROM   ?= 0.4
+WS           := $(VENV)/bin/wscompress
+
+# $(1): recipe glob, $(2): ratios, $(3): runs folder, $(4): table folder
+define sweep
+$(WS) calibrate $(firstword $(wildcard $(1))) -o $(3)/calibration -q
+for cfg in $(wildcard $(1)); do for r in $(2); do \
+  run=$(3)/$$(basename $$cfg .yaml)-$$r; extra=""; \
+  case $$cfg in *basis_sharing*) awk "BEGIN{exit !($$r >= $(REFIT_FROM))}" && extra="--set compress.0.refit=true";; esac; \
+  echo "== $$cfg ratio $$r $$extra"; mkdir -p $$run && cp $(3)/calibration/calibration.safetensors $$run/ && \
+  $(WS) run $$cfg --set compress.0.ratio=$$r $$extra -o $$run -q || exit 1; \
+done; done
+$(WS) report $(3) --out $(4)
+endef
+
+# SmolLM2-135M equivalents of the paper's setups (configs/small): runs here, on CPU, in minutes
+small-tables: install
+	$(call sweep,configs/small/*.yaml,$(SMALL_RATIOS),outputs/small,outputs/small-tables)
+
+# The paper's setups (configs/paper): a GPU and hub access (models, WikiText-2, PTB, C4, lm-eval tasks)
+paper-tables: export HF_HUB_OFFLINE = 0
+paper-tables: export HF_DATASETS_OFFLINE = 0
+paper-tables: install
+	$(foreach m,$(PAPER_MODELS),$(call sweep,configs/paper/$(m)-*.yaml,$(PAPER_RATIOS),outputs/paper/$(m),outputs/paper-tables/$(m)))
+
 clean:
 	rm -rf outputs .pytest_cache

@@ -23,13 +23,14 @@ def _read(run: Path, name: str) -> dict | None:
 
 
 def run_dirs(paths: list[Path]) -> list[Path]:
-    """Run directories among ``paths``: each path that has reports/, else its subfolders that do."""
+    """Run directories among ``paths``: each path that has reports/, else its subfolders with an
+    eval report (a sweep's folder also holds e.g. its shared calibration)."""
     runs: list[Path] = []
     for path in paths:
         if (path / "reports").is_dir():
             runs.append(path)
         elif path.is_dir():
-            runs += sorted(p for p in path.iterdir() if (p / "reports").is_dir())
+            runs += sorted(p for p in path.iterdir() if (p / "reports" / "eval.json").is_file())
         else:
             raise UsageError(f"report: {path} is not a directory", "pass run output directories (output.dir of each recipe)")
     if not runs:
