@@ -1,0 +1,85 @@
+"""DKM fine-tuning: option checks, chunked attention = unchunked, and a real training run
+that beats post-training k-means at the same bits."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import wscompress
+from wscompress import data, storage
+from wscompress.errors import UsageError
+from wscompress.evaluate.perplexity import perplexity
+from wscompress.finetune import finetune
+from wscompress.methods.dkm import DKMLinear, parse_options, prepare_dkm
+from wscompress.methods.kmeans import PalettizedLinear
+from wscompress.recipe import load_recipe
+
+from conftest import WIKI_TEST, WIKI_TRAIN, tiny_model
+
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny tensors: thread start-up costs more than it saves (badly so on a shared CPU)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+@pytest.mark.parametrize("options,key", [({"bits": 9}, "bits"), ({"temperature": 0}, "temperature"),
+                                         ({"iterations": 0}, "iterations"), ({"chunk": 5}, "chunk"),
+                                         ({"granularity": "grouped"}, "group_size")])
+def test_bad_options(options, key):
+    with pytest.raises(UsageError, match=key):
+        parse_options(options)
+
+
+def test_bad_shape_refused_before_wrapping():
+    model = tiny_model("llama")
+    with pytest.raises(UsageError, match="cluster_dim=3"):
+        prepare_dkm(model, {"cluster_dim": 3})
+    assert not any(isinstance(m, DKMLinear) for m in model.modules())
+
+
+@pytest.mark.parametrize("opts", [{"bits": 3}, {"bits": 2, "granularity": "per_channel", "cluster_dim": 2}])
+def test_chunked_attention_gives_the_same_weights_and_gradients(opts):
+    grads = []
+    for chunk in (1 << 22, 2048):  # one chunk vs 32 small ones (recomputed in backward)
+        model = tiny_model("llama")
+        prepare_dkm(model, {**opts, "chunk_size": chunk, "targets": [r"layers\.0\.mlp\.up_proj"]})
+        layer = model.model.layers[0].mlp.up_proj
+        layer.train()
+        w = layer.soft_weight()
+        (w ** 2).sum().backward()
+        grads.append((w.detach(), layer.weight.grad.clone(), layer.centroids.grad.clone()))
+    for a, b in zip(*grads):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-7)
+    assert grads[0][1].abs().sum() > 0  # gradients reach the dense weights through the attention
+
+
+def _recipe(mode: str, steps: int, lr: float, **kw):
+    return load_recipe(data={"output": {"dir": "outputs/test-dkm"}, "eval": {"perplexity": [WIKI_TEST]},
+                             "finetune": {"mode": mode, "steps": steps, "seq_len": 64, "batch_size": 8, "lr": lr,
+                                          "eval_windows": 4, "dataset": WIKI_TRAIN, **kw}})
+
+
+def test_dkm_training_beats_post_training_kmeans(tokenizer, tmp_path):
+    torch.manual_seed(0)
+    ids = data.tokenize(tokenizer, WIKI_TEST, max_tokens=64 * 16 + 1)
+    ppl = lambda m: perplexity(m, ids, 64, max_windows=16)["ppl"]  # noqa: E731
+    model, _ = finetune(tiny_model("llama"), tokenizer, _recipe("full", 120, 3e-3))  # a real (tiny) LM first
+    ptq = copy.deepcopy(model)
+    (ptq_report,) = wscompress.compress(ptq, [{"method": "kmeans", "bits": 2}])
+    dkm, report = finetune(copy.deepcopy(model), tokenizer, _recipe("dkm", 40, 1e-3, dkm={"bits": 2}))
+    layers = [m for m in dkm.modules() if isinstance(m, PalettizedLinear)]
+    assert len(layers) == ptq_report["layers"] and all(m.bits == 2 for m in layers)
+    assert not any(isinstance(m, DKMLinear) for m in dkm.modules())
+    assert report["dkm"]["bits_per_weight"] == pytest.approx(ptq_report["bits_per_weight"])
+    dkm_ppl, ptq_ppl = ppl(dkm), ppl(ptq)
+    assert dkm_ppl < ptq_ppl, (dkm_ppl, ptq_ppl)
+    storage.save(dkm, tokenizer, tmp_path / "m")
+    loaded, _ = storage.load(tmp_path / "m")
+    assert ppl(loaded) == pytest.approx(dkm_ppl, rel=1e-6)

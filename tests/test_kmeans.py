@@ -1,0 +1,238 @@
+"""The kmeans stage: clustering quality, the PalettizedLinear layer, storage and bad input."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+import wscompress
+from wscompress import storage
+from wscompress.errors import UsageError
+from wscompress.methods import kmeans
+from wscompress.methods.kmeans import PalettizedLinear, cluster
+from wscompress.recipe import load_recipe
+
+from conftest import REPO, tiny_model
+
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny tensors: thread start-up costs more than it saves (badly so on a shared CPU)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+def naive_kmeans(x: np.ndarray, k: int, seeds: int = 5, iters: int = 300) -> float:
+    """Reference: plain Lloyd over every point (k-means++ seeding), best of several seeds; MSE."""
+    best = np.inf
+    for seed in range(seeds):
+        rng = np.random.default_rng(seed)
+        c = x[[rng.integers(len(x))]]
+        for _ in range(1, k):
+            d2 = ((x[:, None] - c[None]) ** 2).sum(-1).min(1)
+            c = np.vstack([c, x[rng.choice(len(x), p=d2 / d2.sum())]])
+        for _ in range(iters):
+            a = ((x[:, None] - c[None]) ** 2).sum(-1).argmin(1)
+            new = np.array([x[a == j].mean(0) if (a == j).any() else c[j] for j in range(k)])
+            if np.allclose(new, c, rtol=0, atol=0):
+                break
+            c = new
+        best = min(best, ((x - c[a]) ** 2).sum(-1).mean())
+    return best
+
+
+def mse(groups: torch.Tensor, bits: int, **kw) -> float:
+    codebook, idx = cluster(groups, bits, **kw)
+    rec = torch.gather(codebook, 1, idx[..., None].expand(-1, -1, groups.shape[-1]))
+    assert torch.isfinite(codebook).all()
+    return ((rec - groups) ** 2).sum(-1).mean().item()
+
+
+def laplace(*shape, seed=0) -> torch.Tensor:
+    return torch.distributions.Laplace(0.0, 0.02).sample(shape) if seed is None else \
+        torch.from_numpy(np.random.default_rng(seed).laplace(0, 0.02, shape).astype(np.float32))
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4])
+def test_scalar_per_tensor_matches_or_beats_naive_lloyd(bits):
+    """Same number of restarts; the histogram and prefix sums must cost no quality."""
+    w = laplace(10_000)
+    ours = mse(w.view(1, -1, 1), bits, n_init=5)
+    assert ours <= naive_kmeans(w.numpy()[:, None].astype(np.float64), 2 ** bits, seeds=5) * 1.002
+
+
+def test_scalar_per_channel_is_one_batch_matching_naive_per_row():
+    w = laplace(6, 300, seed=1)
+    codebook, idx = cluster(w[..., None], 3, n_init=5)
+    assert codebook.shape == (6, 8, 1) and idx.shape == (6, 300)
+    for r in range(6):
+        row_mse = ((codebook[r, idx[r], 0] - w[r]) ** 2).mean().item()
+        assert row_mse <= naive_kmeans(w[r].numpy()[:, None].astype(np.float64), 8, seeds=5) * 1.01
+
+
+def test_vector_clustering_matches_naive_and_chunking_changes_nothing(monkeypatch):
+    w = laplace(1, 600, 2, seed=2)
+    ours = mse(w, 3, n_init=5)
+    assert ours <= naive_kmeans(w[0].numpy().astype(np.float64), 8, seeds=5) * 1.03
+    full = cluster(w, 3)
+    monkeypatch.setattr(kmeans, "CHUNK_ELEMENTS", 64)  # 8 points per distance chunk
+    chunked = cluster(w, 3)
+    assert torch.equal(full[1], chunked[1]) and torch.allclose(full[0], chunked[0])
+
+
+@pytest.mark.parametrize("init", ["kmeans++", "linear", "density"])
+@pytest.mark.parametrize("d", [1, 2])
+def test_every_init_gives_a_sane_codebook(init, d):
+    w = laplace(3, 200, d, seed=3)
+    assert mse(w, 2, init=init) < (w ** 2).sum(-1).mean().item() / 2
+
+
+def test_fewer_distinct_values_than_centroids_is_exact_and_finite():
+    w = torch.tensor([0.5, -1.0, 0.5, 2.0, -1.0] * 20).view(1, -1, 1)
+    for groups in (w, w.view(4, -1, 1)):
+        codebook, idx = cluster(groups, 4)
+        assert torch.isfinite(codebook).all()
+        assert torch.equal(torch.gather(codebook, 1, idx[..., None]), groups)  # zero error
+        assert len(torch.unique(codebook)) == 3  # the unused entries repeat used centroids
+
+
+def test_restarts_never_hurt():
+    w = laplace(1, 3000, 1, seed=4)
+    assert mse(w, 4, n_init=4) <= mse(w, 4, n_init=1)
+
+
+def _outputs(model, x):
+    with torch.no_grad():
+        return model(input_ids=x).logits
+
+
+def _check_file_size(path, model):
+    """The weights file is exactly header + every distinct tensor; palettized layers take
+    exactly the bits their report claims."""
+    raw = (path / storage.WEIGHTS).read_bytes()
+    header = struct.unpack("<Q", raw[:8])[0]
+    tensors, _ = storage.unique_tensors(model)
+    assert len(raw) == 8 + header + sum(t.numel() * t.element_size() for t in tensors.values())
+    palettized = {n: m for n, m in model.named_modules() if isinstance(m, PalettizedLinear)}
+    on_disk = sum(t.numel() * t.element_size() for n, t in tensors.items() if n.rpartition(".")[0] in palettized
+                  and not n.endswith("bias"))
+    assert on_disk * 8 == sum(m.storage_bits() for m in palettized.values())
+
+
+@pytest.mark.parametrize("stage", [
+    {"bits": 4},
+    {"bits": 3, "granularity": "per_channel"},
+    {"bits": 2, "granularity": "grouped", "group_size": 16},
+    {"bits": 4, "cluster_dim": 2},
+    {"bits": 3, "entropy_coding": True},
+    {"bits": 5, "granularity": "per_channel", "entropy_coding": True, "cluster_dim": 4},
+])
+def test_stage_save_load_identical_outputs_and_honest_size(stage, tokenizer, tmp_path):
+    model = tiny_model("llama")
+    x = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0))
+    dense = _outputs(model, x)
+    (report,) = wscompress.compress(model, [{"method": "kmeans", **stage}])
+    pal = [m for m in model.modules() if isinstance(m, PalettizedLinear)]
+    assert len(pal) == 4 * 7 == report["layers"]
+    out = _outputs(model, x)
+    assert torch.isfinite(out).all() and (out - dense).abs().max() < 2.0
+    storage.save(model, tokenizer, tmp_path / "m")
+    loaded, _ = storage.load(tmp_path / "m")
+    assert torch.equal(_outputs(loaded, x), out)
+    _check_file_size(tmp_path / "m", loaded)
+    d = stage.get("cluster_dim", 1)
+    for row, layer in zip(report["per_layer"], pal):
+        n = layer.in_features * layer.out_features
+        codebook_bits = 32 * layer.codebook.numel()
+        if stage.get("entropy_coding"):
+            assert row["entropy_bits"] <= row["huffman_bits"] < row["entropy_bits"] + 1
+        else:  # exactly bits per index plus the fp32 codebooks
+            assert row["bits_per_weight"] == pytest.approx(stage["bits"] / d + codebook_bits / n)
+    if stage.get("entropy_coding"):
+        assert report["entropy_bits"] <= report["huffman_bits"] < report["entropy_bits"] + 1
+    manifest = json.loads((tmp_path / "m" / storage.MANIFEST).read_text())
+    assert {e["type"] for e in manifest["modules"].values()} == {"PalettizedLinear"}
+
+
+def test_report_formula_and_errors():
+    model = tiny_model("llama")
+    q = model.model.layers[0].self_attn.q_proj.weight.detach().clone()
+    (report,) = wscompress.compress(model, [{"method": "kmeans", "bits": 4, "targets": [r"layers\.0\.self_attn\.q_proj"]}])
+    (row,) = report["per_layer"]
+    n = q.numel()
+    assert row["ratio_formula"] == pytest.approx(32 * n / (32 * 16 + n * 4))
+    layer = model.model.layers[0].self_attn.q_proj
+    assert row["mse"] == pytest.approx(((layer.dense_weight() - q) ** 2).mean().item())
+    assert row["clusters_used"] == 16
+
+
+def test_per_channel_centroids_follow_their_rows():
+    model = tiny_model("llama")
+    layer = model.model.layers[1].mlp.down_proj
+    w = layer.weight.detach().clone()
+    wscompress.compress(model, [{"method": "kmeans", "bits": 2, "granularity": "per_channel", "targets": ["layers.1.mlp.down_proj"]}])
+    pal = model.model.layers[1].mlp.down_proj
+    assert pal.codebook.shape == (64, 4, 1)
+    rebuilt = pal.dense_weight()
+    for r in (0, 17, 63):  # every value of row r is one of row r's own 4 centroids
+        assert set(rebuilt[r].tolist()) <= set(pal.codebook[r, :, 0].tolist())
+    assert ((rebuilt - w) ** 2).mean() < (w ** 2).mean() / 4
+
+
+def test_gpt2_conv1d_and_untied_lm_head(tokenizer, tmp_path):
+    for kind, targets in (("gpt2", []), ("llama_mha", ["lm_head", r"mlp\."])):
+        model = tiny_model(kind)
+        x = torch.randint(0, 512, (1, 16))
+        (report,) = wscompress.compress(model, [{"method": "kmeans", "bits": 6, "targets": targets}])
+        storage.save(model, tokenizer, tmp_path / kind)
+        loaded, _ = storage.load(tmp_path / kind)
+        assert torch.equal(_outputs(loaded, x), _outputs(model, x))
+        assert report["max_rel_error"] < 0.05
+
+
+def test_finetune_method_mode_trains_the_centroids():
+    model = tiny_model("llama")
+    wscompress.compress(model, [{"method": "kmeans", "bits": 2}])
+    layer = model.model.layers[0].mlp.up_proj
+    assert list(layer.trainable_parameters()) == [layer.codebook]
+
+
+@pytest.mark.parametrize("stage,where", [
+    ({"bits": 0}, "bits"), ({"bits": 9}, "bits"), ({"granularity": "grouped"}, "group_size"),
+    ({"group_size": 4}, "group_size"), ({"cluster_dim": 0}, "cluster_dim"), ({"init": "random"}, "init"),
+])
+def test_bad_options_rejected_up_front(stage, where):
+    with pytest.raises(UsageError, match=where):
+        load_recipe(data={"compress": [{"method": "kmeans", **stage}]})
+
+
+@pytest.mark.parametrize("stage,match", [
+    ({"cluster_dim": 5}, "cluster_dim=5 does not divide"),
+    ({"granularity": "grouped", "group_size": 48}, "group_size=48 does not divide"),
+    ({"targets": ["lm_head"]}, "tied"),
+])
+def test_bad_shapes_refused_before_anything_changes(stage, match):
+    model = tiny_model("llama")
+    before = {n: p.clone() for n, p in model.state_dict().items()}
+    with pytest.raises(UsageError, match=match) as err:
+        wscompress.compress(model, [{"method": "kmeans", **stage}])
+    assert err.value.fix
+    assert not any(isinstance(m, PalettizedLinear) for m in model.modules())
+    assert all(torch.equal(before[n], p) for n, p in model.state_dict().items())
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("kmeans*.yaml")) + sorted((REPO / "configs").glob("dkm*.yaml")))
+def test_shipped_recipes_validate(path):
+    from wscompress.methods.dkm import parse_options
+
+    recipe = load_recipe(path)
+    if recipe.finetune is not None and recipe.finetune.mode == "dkm":
+        assert parse_options(recipe.finetune.dkm).bits in range(1, 9)
+    else:
+        assert recipe.compress[0].method == "kmeans"

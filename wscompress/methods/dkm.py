@@ -1,0 +1,172 @@
+"""Differentiable k-means (DKM, Cho et al., ICLR 2022), the ``dkm`` mode of ``finetune``.
+
+Each target linear trains its dense weight W through a soft clustering: with attention
+A = softmax(-||w - c||^2 / tau) of every weight (or d-long sub-vector) w over the centroids c,
+the centroids are updated ``iterations`` times (c = A^T W / sum A) and the layer computes with
+the soft weights A c, so gradients reach W through the attention and the centroid updates.
+At the end ``finalize`` snaps every weight to its nearest centroid and swaps in
+``PalettizedLinear`` layers: the same format the ``kmeans`` stage writes.
+
+The attention map has one row per weight and K columns: more than the model itself. It is
+computed in chunks of at most ``chunk_size`` entries, each under ``torch.utils.checkpoint``,
+so only one chunk's attention exists at a time (it is recomputed in the backward pass); the
+memory above plain fine-tuning is about one soft weight matrix per layer, not n x K.
+
+``temperature`` is relative to the codebook: tau = temperature x the mean squared distance
+between neighbouring centroids at the start, so the same value suits any weight scale (at
+0.1 a weight sitting on a centroid gives its neighbour e^-10 of the attention).
+In eval mode the layers already compute with the hard-snapped weights, so evaluations during
+and after training measure the model that ``finalize`` produces.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Literal
+
+import torch
+import torch.nn.functional as F
+from pydantic import Field, ValidationError
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from .. import ui
+from ..arch import weight_of
+from ..errors import UsageError
+from ..recipe import Strict, _format_errors
+from .kmeans import (Init, KMeansConfig, PalettizedLinear, check_layer, cluster, dequantize, group_size_of, layer_report,
+                     nearest, replace_everywhere, summarize, target_layers)
+
+
+class DKMOptions(Strict):
+    """``finetune.dkm`` options (the clustering ones mean what they mean for ``kmeans``)."""
+
+    bits: int = Field(4, ge=1, le=8)
+    granularity: Literal["per_tensor", "per_channel", "grouped"] = "per_tensor"
+    group_size: int | None = Field(None, gt=0)
+    cluster_dim: int = Field(1, ge=1)
+    init: Init = "kmeans++"
+    temperature: float = Field(0.2, gt=0, description="softness, relative to the squared centroid spacing")
+    iterations: int = Field(2, ge=1, description="centroid updates per forward pass")
+    chunk_size: int = Field(1 << 22, gt=0, description="attention entries computed at once")
+    entropy_coding: bool = False
+    targets: list[str] = Field(default_factory=list)
+    ignore: list[str] = Field(default_factory=list)
+    seed: int = 0
+
+    def kmeans(self) -> KMeansConfig:
+        """The equivalent ``kmeans`` stage (initial clustering, checks and final format)."""
+        return KMeansConfig(**self.model_dump(include={"bits", "granularity", "group_size", "cluster_dim", "init",
+                                                       "entropy_coding", "targets", "ignore", "seed"}))
+
+
+def _attention(points: torch.Tensor, centroids: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
+    """softmax(-||p - c||^2 / tau) over centroids: (G, m, d), (G, K, d), (G, 1, 1) -> (G, m, K)."""
+    d2 = (points ** 2).sum(-1, keepdim=True) - 2 * points @ centroids.transpose(1, 2) + (centroids ** 2).sum(-1)[:, None]
+    return torch.softmax(-d2 / tau, -1)
+
+
+def _sums(points: torch.Tensor, centroids: torch.Tensor, tau: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    a = _attention(points, centroids, tau)
+    return a.transpose(1, 2) @ points, a.sum(1)
+
+
+def _soft(points: torch.Tensor, centroids: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
+    return _attention(points, centroids, tau) @ centroids
+
+
+class DKMLinear(nn.Module):
+    """A linear trained through differentiable k-means (see the module docstring)."""
+
+    def __init__(self, weight: nn.Parameter, bias: torch.Tensor | None, codebook: torch.Tensor, group_size: int,
+                 opts: DKMOptions):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.weight, self.bias = weight, bias
+        self.centroids = nn.Parameter(codebook.detach().clone())
+        self.group_size, self.opts = group_size, opts
+        d2 = torch.cdist(codebook.float(), codebook.float()) ** 2
+        d2 = torch.where(d2 > 0, d2, torch.inf).amin(-1)  # each centroid to its nearest distinct one
+        finite = torch.isfinite(d2)
+        spacing = torch.where(finite, d2, 0).sum(-1) / finite.sum(-1).clamp_min(1)
+        self.register_buffer("tau", (opts.temperature * torch.where(spacing > 0, spacing, 1.0))[:, None, None])
+
+    def points(self) -> torch.Tensor:
+        g = self.out_features // self.group_size
+        return self.weight.reshape(g, -1, self.opts.cluster_dim)
+
+    def _chunks(self, points: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        g, _, _ = points.shape
+        return points.split(max(1, self.opts.chunk_size // (g * self.centroids.shape[1])), 1)
+
+    def converged_centroids(self) -> torch.Tensor:
+        """The centroids after ``iterations`` soft updates from the trained starting point."""
+        points, c = self.points(), self.centroids
+        tau = self.tau.to(points.dtype)
+        for _ in range(self.opts.iterations):
+            num, den = 0, 0
+            for chunk in self._chunks(points):
+                n, s = checkpoint(_sums, chunk, c, tau, use_reentrant=False)
+                num, den = num + n, den + s
+            c = torch.where(den[..., None] > 1e-12, num / den.clamp_min(1e-12)[..., None], c)
+        return c
+
+    def soft_weight(self) -> torch.Tensor:
+        c, tau = self.converged_centroids(), self.tau.to(self.weight.dtype)
+        parts = [checkpoint(_soft, chunk, c, tau, use_reentrant=False) for chunk in self._chunks(self.points())]
+        return torch.cat(parts, 1).reshape(self.out_features, self.in_features)
+
+    @torch.no_grad()
+    def snap(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codebook, indices (out, in / d)): every weight to its nearest converged centroid."""
+        c = self.converged_centroids()
+        return c, nearest(self.points(), c).reshape(self.out_features, -1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            w = self.soft_weight()
+        else:
+            w = dequantize(*self.snap(), self.group_size)
+        return F.linear(x, w.to(x.dtype), self.bias)
+
+
+def parse_options(options: dict) -> DKMOptions:
+    try:
+        opts = DKMOptions.model_validate(options or {})
+        opts.kmeans()  # the clustering options must also make a valid kmeans stage
+        return opts
+    except ValidationError as err:
+        raise UsageError(_format_errors(err, "finetune", "dkm"), f"keys of finetune.dkm: {', '.join(DKMOptions.model_fields)}") from None
+
+
+def prepare_dkm(model: nn.Module, options: dict) -> tuple[list[nn.Parameter], Callable[[], dict]]:
+    """Wrap the target linears for DKM training: (trainable weights and centroids, finalize).
+
+    ``finalize()`` hard-snaps the layers into ``PalettizedLinear`` and returns the report.
+    """
+    opts = parse_options(options)
+    kcfg = opts.kmeans()
+    layers = target_layers(model, kcfg)
+    for name, module in layers.items():
+        check_layer(name, *weight_of(module).shape, kcfg)
+    wrapped: dict[str, DKMLinear] = {}
+    for name, module in ui.track(list(layers.items()), "dkm init"):
+        w = weight_of(module)
+        out, inp = w.shape
+        gs, d = group_size_of(kcfg, out), opts.cluster_dim
+        codebook, _ = cluster(w.detach().reshape(out // gs, -1, d), opts.bits, opts.init, seed=opts.seed)
+        weight = module.weight if isinstance(module, nn.Linear) else nn.Parameter(w.detach().clone())
+        layer = DKMLinear(weight, getattr(module, "bias", None), codebook.to(w.dtype), gs, opts)
+        replace_everywhere(model, module, layer)
+        wrapped[name] = layer
+    params = [p for layer in wrapped.values() for p in (layer.weight, layer.centroids)]
+
+    def finalize() -> dict:
+        rows = []
+        for name, layer in wrapped.items():
+            codebook, idx = layer.snap()
+            pal = PalettizedLinear.from_clusters(codebook.detach(), idx, layer.bias, opts.entropy_coding)
+            rows.append(layer_report(name, layer.weight, pal))
+            replace_everywhere(model, layer, pal)
+        return {"dkm": {**summarize(rows, opts.bits), "per_layer": rows}}
+
+    return params, finalize
