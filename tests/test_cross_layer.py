@@ -4,10 +4,11 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import WIKI_TRAIN, assert_roundtrip, tiny_model
+from conftest import REPO, WIKI_TRAIN, assert_roundtrip, tiny_model
 from wscompress import compress, storage
 from wscompress.arch import discover
 from wscompress.errors import UsageError
+from wscompress.recipe import load_recipe
 from wscompress.sharing import part_leaves
 
 CALIBRATION = {"dataset": WIKI_TRAIN, "num_samples": 4, "seq_len": 32, "batch_size": 2}
@@ -93,3 +94,9 @@ def test_ffn_sharing_on_a_model_without_ffn_names_the_fix():
     assert "attn" in err.value.fix
     (row,) = compress(model := AttentionOnly(), [{"method": "cross_layer", "what": "attn", "group_size": 2}])
     assert model.layers[0].self_attn.q_proj is model.layers[1].self_attn.q_proj and row["params_saved"] == 2 * 4 * 72
+
+
+@pytest.mark.parametrize("path", sorted(REPO.glob("configs/structural*.yaml")), ids=lambda p: p.name)
+def test_structural_recipes_are_valid(path):
+    recipe = load_recipe(path)
+    assert recipe.compress and recipe.finetune is not None

@@ -14,9 +14,8 @@ import copy
 from typing import Literal
 
 import torch
-from torch import nn
-
 from pydantic import Field
+from torch import nn
 
 from .arch import Arch, get_module, set_module
 from .calibrate import layerwise
@@ -56,7 +55,7 @@ def consecutive_groups(num_layers: int, size: int, start: int = 0, count: int | 
     last = first + size * count
     if first < 0 or count < 1 or last > num_layers:
         raise UsageError(f"{what}: {count} window(s) of {size} layers from layer {start} exceed the model's {num_layers} layers",
-                         f"use a window of at most {num_layers} layers that starts at or after layer 0 and ends at layer {num_layers - 1} at the latest")
+                         f"keep every window inside layers 0..{num_layers - 1}")
     return [list(range(first + k * size, first + (k + 1) * size)) for k in range(count)]
 
 
@@ -67,14 +66,16 @@ class WindowStage(StageConfig):
     start: int | None = Field(None, description="first layer of the first window (negative: from the end); "
                                                 "default: the windows end just before the last layer")
     num_windows: int = Field(1, ge=1, description="consecutive windows from start")
-    groups: list[list[int]] | None = Field(None, description="explicit windows of consecutive layers (overrides n/start/num_windows)")
+    groups: list[list[int]] | None = Field(None, description="explicit windows of consecutive layers "
+                                                             "(instead of n/start/num_windows)")
 
     def windows(self, num_layers: int) -> list[list[int]]:
         if self.groups is not None:
             groups = check_groups(self.groups, num_layers)
             for g in groups:
                 if g != list(range(g[0], g[-1] + 1)):
-                    raise UsageError(f"groups: {g} is not a run of consecutive layers", f"e.g. {list(range(g[0], g[0] + len(g)))}")
+                    raise UsageError(f"groups: {g} is not a run of consecutive layers",
+                                     f"e.g. {list(range(g[0], g[0] + len(g)))}")
             return groups
         start = self.start
         if start is None:  # the last layer stays as it is: it shapes the output distribution

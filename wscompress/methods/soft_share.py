@@ -31,6 +31,7 @@ from ..sharing import check_groups, sample_inputs
 from . import register
 
 OUTPUT_ROLES = ("gate", "up")  # rows are the FFN's neurons; "down" has them as columns
+Weights = tuple[torch.Tensor, torch.Tensor | None]  # (weight (out, in), bias)
 
 
 @register_module
@@ -98,7 +99,7 @@ def alignment(ref: torch.Tensor, acts: torch.Tensor) -> torch.Tensor:
     return torch.as_tensor(cols, dtype=torch.long)
 
 
-def aligned_weights(arch: Arch, i: int, perm: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+def aligned_weights(arch: Arch, i: int, perm: torch.Tensor) -> dict[str, Weights]:
     """role -> (weight (out, in), bias) of layer i's FFN with its neurons reordered by ``perm``:
     rows of gate/up (and their biases), columns of down. The layer's function is unchanged."""
     out = {}
@@ -115,7 +116,7 @@ def aligned_weights(arch: Arch, i: int, perm: torch.Tensor) -> dict[str, tuple[t
 
 
 @torch.no_grad()
-def soft_modules(weights: list[dict[str, tuple[torch.Tensor, torch.Tensor | None]]], rank: int) -> list[dict[str, LowRankDeltaLinear]]:
+def soft_modules(weights: list[dict[str, Weights]], rank: int) -> list[dict[str, LowRankDeltaLinear]]:
     """One LowRankDeltaLinear per layer and role: the role's shared base is the mean of the
     window's aligned weights, each delta the rank-``rank`` truncated SVD of W_l - W_c."""
     out: list[dict[str, LowRankDeltaLinear]] = [{} for _ in weights]
