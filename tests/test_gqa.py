@@ -73,3 +73,12 @@ def test_groups_not_dividing_the_heads_is_a_usage_error():
 def test_model_without_kv_head_config_is_a_usage_error():
     with pytest.raises(UsageError, match="num_key_value_heads"):
         compress(tiny_model("gpt2"), [{"method": "gqa", "groups": 2}])
+
+
+def test_projections_shared_across_layers_stay_shared(tokenizer, tmp_path):
+    model = tiny_model("llama_mha")
+    compress(model, [{"method": "cross_layer", "what": "attn", "group_size": 2}, {"method": "gqa", "groups": 2}])
+    layers = model.model.layers
+    assert layers[0].self_attn.k_proj is layers[1].self_attn.k_proj
+    assert layers[0].self_attn.k_proj.out_features == 32
+    assert_roundtrip(model, tokenizer, tmp_path / "m")

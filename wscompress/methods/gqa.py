@@ -49,12 +49,17 @@ def apply(model, cfg: GQAConfig, ctx) -> dict:
         divisors = [d for d in range(1, kv + 1) if kv % d == 0]
         raise UsageError(f"gqa: groups={cfg.groups} does not divide the model's {kv} key/value heads",
                          f"use one of {divisors}")
-    for i in range(arch.num_layers):
-        roles = arch.projections(i)
+    projections = [arch.projections(i) for i in range(arch.num_layers)]
+    for i, roles in enumerate(projections):
         if "k" not in roles or "v" not in roles:
             raise UsageError(f"gqa: layer {i} has no separate k/v projections", "gqa needs k_proj and v_proj modules")
+    pooled: dict[int, nn.Linear] = {}  # by id: projections shared across layers (cross_layer) stay shared
+    for i, roles in enumerate(projections):
         for role in ("k", "v"):
-            set_module(model, roles[role], pool_heads(get_module(model, roles[role]), kv, cfg.groups))
+            module = get_module(model, roles[role])
+            if id(module) not in pooled:
+                pooled[id(module)] = pool_heads(module, kv, cfg.groups)
+            set_module(model, roles[role], pooled[id(module)])
         attn = get_module(model, arch.submodule_name(i, "attn"))
         if hasattr(attn, "num_key_value_groups"):  # read by the attention kernel: heads per kv head
             attn.num_key_value_groups = heads // cfg.groups
