@@ -85,7 +85,10 @@ def main() -> None:
     out = args.out.resolve()
 
     # 1. the CLI steps: statistics once, one compression saved to disk
-    calib = cli("calibrate", out, [])
+    if (out / "calibration.safetensors").is_file():  # statistics of an earlier run (compress checks they fit)
+        calib = json.loads((out / "reports" / "calibrate.json").read_text())
+    else:
+        calib = cli("calibrate", out, [])
     comp = cli("compress", out, [])
     saved = comp["compressed"]
     steps = [{"step": "calibrate", "seconds": calib["seconds"], "peak_memory_mb": calib["peak_memory_mb"]},

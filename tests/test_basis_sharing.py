@@ -175,3 +175,22 @@ def test_smollm2_basis_sharing_keeps_quality(smollm2, tmp_path):
     assert row["shared"] == ["q", "gate", "up"]  # GQA 9/3
     ppl = perplexity(model, ids, 512, max_windows=4)["ppl"]
     assert base < ppl < 3 * base
+
+
+def test_compress_step_checks_statistics_and_saves_what_it_reports(tmp_path, tiny_dir):
+    from wscompress.recipe import load_recipe
+    from wscompress.workflow import model_path, step_calibrate, step_compress
+
+    def recipe(kind: str):
+        return load_recipe(data={"model": {"path": str(tiny_dir(kind))}, "calibration": CALIB,
+                                 "compress": [{"method": "basis_sharing", "ratio": 0.3, "group_size": 3}],
+                                 "output": {"dir": str(tmp_path / "run")}})
+
+    step_calibrate(recipe("llama"))
+    with pytest.raises(UsageError, match="model="):  # statistics of another model: refused, nothing written
+        step_compress(recipe("llama_mha"))
+    assert not model_path(recipe("llama")).exists()
+    out = step_compress(recipe("llama"))
+    assert "last 1 layers" in out["stages"][0]["remainder"]
+    assert abs(out["compressed"]["file_bytes"] - 4 * out["compressed"]["params"]) < 0.02 * out["compressed"]["file_bytes"]
+    assert out["compressed"]["params"] < 0.85 * out["original"]["params"]

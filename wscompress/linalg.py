@@ -47,30 +47,39 @@ def whitening(gram: torch.Tensor) -> tuple[torch.Tensor, str]:
         shift *= 10
 
 
-def truncated_svd(w: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The k leading singular triplets (U (m, k), σ (k,), Vᵀ (k, n)) of ``w`` in float64."""
-    u, sigma, vh = torch.linalg.svd(w.double(), full_matrices=False)
-    return u[:, :k], sigma[:k], vh[:k]
+def principal_factors(a: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(L (m, k), R (k, n)) with L·R the best rank-k approximation of ``a`` (truncated SVD), float64.
+
+    Computed from the eigendecomposition of the smaller of AᵀA / AAᵀ, which is several times
+    faster than an SVD on CPU; in float64 it resolves singular values down to ~1e-8·σ₁, far
+    below any a truncation keeps. No singular value is ever divided by: L = A·V_k, R = V_kᵀ
+    (tall a) or L = U_k, R = U_kᵀ·A (wide a), so L·R is an exact projection of a.
+    """
+    a = a.double()
+    if a.shape[0] >= a.shape[1]:
+        v = torch.linalg.eigh(a.T @ a).eigenvectors[:, -k:].flip(1)  # eigenvalues ascend
+        return a @ v, v.T
+    u = torch.linalg.eigh(a @ a.T).eigenvectors[:, -k:].flip(1)
+    return u, u.T @ a
 
 
 def low_rank(w: torch.Tensor, k: int, gram: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, str]:
     """Rank-k factors (C (out, k), B (k, in)) of ``w`` ≈ C·B, float64.
 
     Without a Gram matrix this is the plain truncated SVD (optimal in ‖W - CB‖_F). With one
-    it is SVD-LLM's whitened SVD: SVD of W·S where S·Sᵀ = XᵀX, so truncation is optimal for
-    the output error ‖(W - CB)X‖_F; then B = Vᵀ_k·S⁻¹. The last value names the whitening
-    ("none", "cholesky" or "shifted"). ``w`` may be several layers' weights stacked along
-    the output dimension: their shared basis B comes out the same way.
+    it is SVD-LLM's whitened SVD: truncated SVD of W·S where S·Sᵀ = XᵀX, so truncation is
+    optimal for the output error ‖(W - CB)Xᵀ‖_F; then B = B_S·S⁻¹. The last value names the
+    whitening ("none", "cholesky" or "shifted"). ``w`` may be several layers' weights stacked
+    along the output dimension: their shared basis B comes out the same way.
     """
     k = min(k, *w.shape)
     w = w.double()
     if gram is None:
-        u, sigma, vh = truncated_svd(w, k)
-        return u * sigma, vh, "none"
+        return (*principal_factors(w, k), "none")
     s, how = whitening(gram.to(w.device))
-    u, sigma, vh = truncated_svd(w @ s, k)
-    basis = torch.linalg.solve_triangular(s, vh, upper=False, left=False)  # Vᵀ_k S⁻¹ without forming S⁻¹
-    return u * sigma, basis, how
+    coeff, right = principal_factors(w @ s, k)
+    basis = torch.linalg.solve_triangular(s, right, upper=False, left=False)  # right·S⁻¹ without forming S⁻¹
+    return coeff, basis, how
 
 
 def refit_coefficients(w: torch.Tensor, basis: torch.Tensor, gram: torch.Tensor,

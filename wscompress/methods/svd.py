@@ -111,6 +111,7 @@ def decoder_projections(model: nn.Module, arch: Arch, cfg: StageConfig) -> dict[
 def apply(model: nn.Module, cfg: SVDConfig, ctx) -> dict:
     arch = discover(model)
     names = list(decoder_projections(model, arch, cfg))
+    wanted = {n: cfg.rank_for(*reversed(weight_of(get_module(model, n)).shape)) for n in names}  # bad ratio: fail before any change
     grams, owner = ctx.grams(model, names) if cfg.whitening else ({}, {})
     ranks: dict[str, int] = {}
     shifted = []
@@ -118,8 +119,7 @@ def apply(model: nn.Module, cfg: SVDConfig, ctx) -> dict:
         for name in ui.track(names, "svd layers"):
             module = get_module(model, name)
             w = weight_of(module)
-            k = cfg.rank_for(w.shape[1], w.shape[0])
-            coeff, basis, how = low_rank(w, k, grams[owner[name]] if cfg.whitening else None)
+            coeff, basis, how = low_rank(w, wanted[name], grams[owner[name]] if cfg.whitening else None)
             set_module(model, name, LowRankLinear.replacing(module, coeff, basis))
             ranks[f"{w.shape[0]}x{w.shape[1]}"] = coeff.shape[1]
             if how == "shifted":
