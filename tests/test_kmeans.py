@@ -102,9 +102,10 @@ def test_fewer_distinct_values_than_centroids_is_exact_and_finite():
         assert len(torch.unique(codebook)) == 3  # the unused entries repeat used centroids
 
 
-def test_restarts_never_hurt():
-    w = laplace(1, 3000, 1, seed=4)
-    assert mse(w, 4, n_init=4) <= mse(w, 4, n_init=1)
+@pytest.mark.parametrize("groups", [1, 3])
+def test_restarts_pick_the_best_run(groups):
+    w = laplace(groups, 3000, 1, seed=4)
+    assert mse(w, 4, n_init=8) <= mse(w, 4, n_init=1) * 1.001  # (per tensor: chosen on the histogram)
 
 
 def _outputs(model, x):

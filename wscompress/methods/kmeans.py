@@ -5,11 +5,11 @@ bit-packed indices plus the codebook (optionally Huffman-coded on disk).
 Scalar clustering is 1-D k-means. It runs on sorted values with prefix sums, so one Lloyd
 iteration costs O(K log m) (binary-search the cluster boundaries, read the cluster sums off
 the prefix sums) instead of O(m K). Per-tensor clustering first folds the weights into a
-65 536-bin histogram (the float16 values; each bin keeps the exact mean of its weights), so a
-whole matrix clusters in milliseconds; per-channel and grouped clustering run all codebooks
-of a matrix as one batch. Vector clustering (``cluster_dim`` > 1) is batched Lloyd with the
-distance matrix computed in bounded chunks. The final centroids are refit on the exact
-weights.
+histogram in O(n) (bins of float16 resolution, each keeping the exact mean of its weights) and
+runs its k-means++ restarts side by side on it, so a whole matrix clusters in milliseconds;
+per-channel and grouped clustering run all codebooks of a matrix as one batch. Vector
+clustering (``cluster_dim`` > 1) is batched Lloyd with the distance matrix computed in
+bounded chunks, refit on the exact points at the end.
 
 A group with fewer distinct values than K gets fewer distinct centroids: every distinct value
 becomes a centroid (zero error) and the unused codebook entries repeat used ones.
@@ -37,7 +37,8 @@ from ..recipe import StageConfig
 from . import register
 
 Init = Literal["kmeans++", "linear", "density"]
-CHUNK_ELEMENTS = 1 << 22  # distance-matrix entries computed at once by vector clustering
+CHUNK_ELEMENTS = 1 << 22
+SHIFT = 13  # float32 histogram: drop 13 low mantissa bits -> 2^19 bins as fine as float16's  # distance-matrix entries computed at once by vector clustering
 
 
 class KMeansConfig(StageConfig):
@@ -49,8 +50,9 @@ class KMeansConfig(StageConfig):
     group_size: int | None = Field(None, gt=0, description="output channels sharing a codebook (granularity: grouped)")
     cluster_dim: int = Field(1, ge=1, description="length of the sub-vectors clustered together (1: scalar)")
     init: Init = "kmeans++"
-    n_init: int = Field(3, ge=1, description="k-means restarts; the lowest error wins")
-    iterations: int = Field(100, gt=0, description="maximum Lloyd iterations (stops earlier when converged)")
+    n_init: int | None = Field(None, ge=1, description="k-means restarts, the lowest error wins (default: 3 for "
+                               "scalar per_tensor, where they run on the histogram; 1 otherwise)")
+    iterations: int = Field(300, gt=0, description="maximum Lloyd iterations (stops earlier when converged)")
     entropy_coding: bool = Field(False, description="store indices Huffman-coded on disk")
     seed: int = 0
 
@@ -165,17 +167,25 @@ def _refit(points: torch.Tensor, assign: torch.Tensor, c: torch.Tensor) -> torch
 
 
 def _histogram(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fold values (n,) into float16 bins: (bin means, counts), sorted by value.
+    """Fold values (n,) into bins: (bin means, counts), sorted by value, in O(n) (no sort).
 
-    The float16 bit pattern made monotone (flip the magnitude bits of negatives) is the bin
-    number, so this is two bincounts, no sort.
+    The bin is the value's bit pattern made monotone (negatives' magnitude bits flipped):
+    exact for 16-bit floats (65 536 bins), the top 19 bits for float32 (bins of relative width
+    2^-10). Each bin keeps the exact mean of its values, so Lloyd on the bins only differs
+    from Lloyd on every weight where a cluster boundary cuts through a bin.
     """
-    bits = values.to(torch.float16).view(torch.int16).to(torch.int32)
-    key = torch.where(bits < 0, -32769 - bits, bits) + 32768  # monotone in the value, 0..65535
-    counts = torch.bincount(key, minlength=65536)
-    sums = torch.bincount(key, weights=values.double(), minlength=65536)
+    if values.element_size() == 2:
+        bits, shift = values.view(torch.int16).to(torch.int32), 0
+        key = torch.where(bits < 0, bits ^ 0x7FFF, bits) + (1 << 15)
+        size = 1 << 16
+    else:
+        bits = values.float().view(torch.int32)
+        key = (torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits) >> SHIFT) + (1 << (31 - SHIFT))
+        size = 1 << (32 - SHIFT)
+    counts = torch.bincount(key, minlength=size)
+    sums = torch.bincount(key, weights=values.double(), minlength=size)
     used = counts > 0
-    return (sums[used] / counts[used]).to(values.dtype), counts[used].to(values.dtype)
+    return (sums[used] / counts[used]).float(), counts[used].float()
 
 
 def _best(candidates: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -185,25 +195,31 @@ def _best(candidates: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     return cs[pick, torch.arange(cs.shape[1], device=cs.device)]
 
 
-def cluster(groups: torch.Tensor, bits: int, init: Init = "kmeans++", iterations: int = 100,
-            n_init: int = 3, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def cluster(groups: torch.Tensor, bits: int, init: Init = "kmeans++", iterations: int = 300,
+            n_init: int | None = None, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """k-means of each group of d-long points: groups (B, m, d) -> (codebooks (B, K, d),
-    indices (B, m)), in float32 on the groups' device; the best of ``n_init`` restarts.
+    indices (B, m)), in float32 on the groups' device; the best of ``n_init`` restarts
+    (default 3 for one scalar group, where restarts are cheap, else 1).
 
-    Scalars: restarts run on the histogram (per tensor) or the sorted values (per channel or
-    group), then the winner is refined by Lloyd on the exact sorted values.
+    Scalars: per tensor on the histogram (whose bins keep exact means), per channel or group
+    on the sorted values of all groups at once.
     """
-    groups = groups.float()
     b, m, d = groups.shape
     k = 2 ** bits
+    n_init = n_init or (3 if b == d == 1 else 1)
     gen = torch.Generator(device=groups.device).manual_seed(seed)
     if d == 1:
-        x = groups[..., 0].sort(1).values
-        ones = torch.ones_like(x)
-        hx, hw = (t[None] for t in _histogram(x[0])) if b == 1 else (x, ones)
-        starts = [_lloyd_1d(hx, hw, _init(hx[..., None], hw, k, init, gen)[..., 0], iterations) for _ in range(n_init)]
-        c = _lloyd_1d(x, ones, _best(starts) if n_init > 1 else starts[0][0], iterations)[0][..., None]
+        if b == 1:  # restarts run side by side as a batch on the histogram
+            x, w = (t[None].expand(n_init, -1) for t in _histogram(groups.reshape(-1)))
+            runs, sse = _lloyd_1d(x, w, _init(x[..., None], w, k, init, gen)[..., 0], iterations)
+            c = runs[sse.argmin()][None]
+        else:
+            x = groups[..., 0].float().sort(1).values
+            w = torch.ones_like(x)
+            c = _best([_lloyd_1d(x, w, _init(x[..., None], w, k, init, gen)[..., 0], iterations) for _ in range(n_init)])
+        c = c.to(groups.dtype)[..., None]
         return c, nearest(groups, c)
+    groups = groups.float()
     ones = torch.ones(b, m, dtype=groups.dtype, device=groups.device)
     runs = []
     for _ in range(n_init):
@@ -374,7 +390,8 @@ def layer_report(name: str, weight: torch.Tensor, layer: PalettizedLinear) -> di
     codebook_of_row = (torch.arange(idx.shape[0], device=idx.device) // layer.group_size)[:, None]
     row = {"layer": name, "shape": list(w.shape), "mse": err.pow(2).mean().item(),
            "rel_error": (err.norm() / w.norm().clamp_min(1e-30)).item(),
-           "clusters_used": torch.unique(idx + codebook_of_row * k).numel() / layer.codebook.shape[0],  # per codebook
+           "clusters_used": (torch.bincount((idx + codebook_of_row * k).reshape(-1), minlength=layer.codebook.shape[0] * k) > 0)
+                            .sum().item() / layer.codebook.shape[0],  # mean per codebook
            "bits_per_weight": layer.storage_bits() / n,
            # Deep Compression's formula with 32-bit weights and centroids, for any granularity
            "ratio_formula": 32 * n / (32 * codebook_entries + layer.num_indices * layer.bits)}
