@@ -36,7 +36,8 @@ from .recipe import FinetuneConfig, Recipe
 
 CKPT = "finetune-checkpoint"
 # what must match for a checkpoint to continue the same run
-RESUME_KEYS = ("mode", "dataset", "seq_len", "batch_size", "grad_accum", "steps", "lr", "schedule", "warmup_steps", "seed")
+RESUME_KEYS = ("mode", "dataset", "seq_len", "batch_size", "grad_accum", "steps", "lr", "weight_decay", "schedule",
+               "warmup_steps", "penalty", "lora_rank", "lora_alpha", "lora_targets", "dkm", "seed")
 
 
 def method_parameters(model: nn.Module) -> list[nn.Parameter]:
