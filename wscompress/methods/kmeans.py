@@ -66,24 +66,23 @@ class KMeansConfig(StageConfig):
 # ----------------------------------------------------------------------------- clustering
 
 def _sample(p: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """One index per row of p (B, m) with probability proportional to p (inverse CDF)."""
-    cdf = p.double().cumsum(1)
-    u = torch.rand(p.shape[0], 1, generator=gen, device=p.device, dtype=torch.float64) * cdf[:, -1:]
+    """One index per row of p (B, m) with probability proportional to p (inverse CDF; a row
+    of zeros picks its last point)."""
+    cdf = p.cumsum(1)
+    u = torch.rand(p.shape[0], 1, generator=gen, device=p.device, dtype=cdf.dtype) * cdf[:, -1:]
     return torch.searchsorted(cdf, u, right=True)[:, 0].clamp_max(p.shape[1] - 1)
 
 
 def _kmeans_pp(points: torch.Tensor, weights: torch.Tensor, k: int, gen: torch.Generator) -> torch.Tensor:
-    """k-means++ seeding, batched: points (B, m, d), weights (B, m) -> centroids (B, k, d)."""
+    """k-means++ seeding, batched: points (B, m, d), weights (B, m) -> centroids (B, k, d).
+    A group whose points are all centroids already draws duplicates (never NaN)."""
     b = torch.arange(points.shape[0], device=points.device)
     centroids = [points[b, _sample(weights, gen)]]
     d2 = ((points - centroids[0][:, None]) ** 2).sum(-1)
     for _ in range(1, k):
-        p = d2 * weights
-        # a group whose points are all centroids already: pick any (a duplicate, never NaN)
-        p = torch.where(p.sum(1, keepdim=True) > 0, p, weights)
-        nxt = points[b, _sample(p, gen)]
+        nxt = points[b, _sample(d2 * weights, gen)]
         centroids.append(nxt)
-        d2 = torch.minimum(d2, ((points - nxt[:, None]) ** 2).sum(-1))
+        torch.minimum(d2, ((points - nxt[:, None]) ** 2).sum(-1), out=d2)
     return torch.stack(centroids, 1)
 
 
@@ -115,21 +114,22 @@ def _lloyd_1d(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor, iterations: int
     cw, cs, cq = (torch.cat([zero, t.cumsum(1)], 1) for t in (wd, wd * xd, wd * xd * xd))
     edge = torch.full_like(zero, x.shape[1], dtype=torch.long)
 
-    def segments(c: torch.Tensor) -> list[torch.Tensor]:  # per cluster: weight, sum, sum of squares
+    def segments(c: torch.Tensor, *tables: torch.Tensor) -> list[torch.Tensor]:  # per-cluster sums
         mids = ((c[:, 1:] + c[:, :-1]) / 2).contiguous()
         bounds = torch.cat([torch.zeros_like(edge), torch.searchsorted(xd, mids), edge], 1)
-        return [t.gather(1, bounds[:, 1:]) - t.gather(1, bounds[:, :-1]) for t in (cw, cs, cq)]
+        lo, hi = bounds[:, :-1], bounds[:, 1:]
+        return [t.gather(1, hi) - t.gather(1, lo) for t in tables]
 
     c = c.double().sort(1).values
     tol = 1e-7 * (xd[:, -1] - xd[:, 0]).max()
     for _ in range(iterations):
-        sw, ss, _ = segments(c)
+        sw, ss = segments(c, cw, cs)
         new = torch.where(sw > 0, ss / sw.clamp_min(1e-300), c).sort(1).values  # empty cluster: keep
         moved = (new - c).abs().max()
         c = new
         if moved <= tol:
             break
-    sw, ss, sq = segments(c)
+    sw, ss, sq = segments(c, cw, cs, cq)
     sse = (sq - 2 * c * ss + c * c * sw).sum(1)
     return c.to(x.dtype), sse
 
