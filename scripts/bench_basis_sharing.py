@@ -8,7 +8,7 @@
 3. Prefill tokens/s (batch 1 and 8) of the original and of each method at the first ratio.
 
 Writes outputs/bench_basis_sharing/results.{json,md} and prints the tables.
-Usage: python scripts/bench_basis_sharing.py [--ratios 0.2 0.3 0.4 0.5] [--windows 16] [--refit]
+Usage: python scripts/bench_basis_sharing.py [--ratios 0.2 0.3 0.4 0.5] [--windows 16] [--refit 0.5] [--reuse]
 """
 
 from __future__ import annotations
@@ -72,61 +72,10 @@ def markdown(rows: list[dict], cols: list[str]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--ratios", type=float, nargs="+", default=[0.2, 0.3, 0.4, 0.5])
-    ap.add_argument("--windows", type=int, default=16, help="perplexity windows of 512 tokens")
-    ap.add_argument("--refit", action="store_true", help="add Basis Sharing g2 with coefficient refit")
-    ap.add_argument("--out", type=Path, default=REPO / "outputs" / "bench_basis_sharing")
-    args = ap.parse_args()
-    methods = dict(METHODS)
-    if args.refit:
-        methods["Basis Sharing g2 + refit"] = {"method": "basis_sharing", "group_size": 2, "refit": True}
-    out = args.out.resolve()
-
-    # 1. the CLI steps: statistics once, one compression saved to disk
-    if (out / "calibration.safetensors").is_file():  # statistics of an earlier run (compress checks they fit)
-        calib = json.loads((out / "reports" / "calibrate.json").read_text())
-    else:
-        calib = cli("calibrate", out, [])
-    comp = cli("compress", out, [])
-    saved = comp["compressed"]
-    steps = [{"step": "calibrate", "seconds": calib["seconds"], "peak_memory_mb": calib["peak_memory_mb"]},
-             {"step": "compress (BS g2, 20 %, incl. load+save)", "seconds": comp["stages"][0]["seconds"],
-              "peak_memory_mb": comp["peak_memory_mb"], "params": saved["params"], "file_bytes": saved["file_bytes"],
-              "params_x4_bytes": saved["params"] * 4}]
-
-    # 2. every method and ratio in process, reusing the saved Gram matrices
-    recipe = load_recipe(CONFIG, [f"output.dir={out}"])
-    original, tok = load_model(recipe.model)
-    ids = data.tokenize(tok, recipe.eval.perplexity[0], max_tokens=args.windows * 512 + 512)
-    base = perplexity(original, ids, 512, batch_size=4, max_windows=args.windows, label="ppl original")
-    params0 = storage.stats(original)["params"]
-    rows = [{"method": "original", "ratio": 0, "ppl": round(base["ppl"], 2), "params": params0}]
-    speed_models = {"original": original}
-    for label, stage in methods.items():
-        for ratio in args.ratios:
-            model = copy.deepcopy(original)
-            run = recipe.model_copy()
-            run.compress = load_recipe(data={"compress": [{**stage, "ratio": ratio}]}).compress
-            start = time.perf_counter()
-            report = apply_stages(model, tok, run)[0]
-            seconds = time.perf_counter() - start
-            ppl = perplexity(model, ids, 512, batch_size=4, max_windows=args.windows, label=f"ppl {label} {ratio}")
-            rows.append({"method": label, "ratio": ratio, "ppl": round(ppl["ppl"], 2), "params": report["params_after"],
-                         "compress_s": round(seconds, 1), "remainder": report.get("remainder") or ""})
-            print(rows[-1], flush=True)
-            if ratio == args.ratios[0]:
-                speed_models[label] = model
-            else:
-                del model
-
-    # 3. prefill throughput at the first ratio
-    speed = [{"model": label, **{f"prefill tok/s b{b}": round(prefill_tokens_per_s(m, b)) for b in (1, 8)}}
-             for label, m in speed_models.items()]
-
-    table = [{"method": label, **{f"{round(r * 100)} %": next(x["ppl"] for x in rows if x["method"] == label and x["ratio"] == r)
-                                  for r in args.ratios}} for label in methods]
+def write(out: Path, args, recipe, rows: list[dict], steps: list[dict], speed: list[dict], labels: list[str]) -> str:
+    """Write results.{json,md} (after every row, so an interrupted run keeps what it measured)."""
+    ppl = {(x["method"], x["ratio"]): x["ppl"] for x in rows}
+    table = [{"method": label, **{f"{round(r * 100)} %": ppl.get((label, r), "-") for r in args.ratios}} for label in labels]
     md = "\n\n".join([
         f"Perplexity on wiki.test.txt ({args.windows} windows of 512), original {rows[0]['ppl']}; "
         f"calibration {recipe.calibration.num_samples}x{recipe.calibration.seq_len} tokens of wiki.train.txt",
@@ -139,7 +88,62 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"rows": rows, "table": table, "steps": steps, "speed": speed}, indent=1))
     (out / "results.md").write_text(md + "\n")
-    print(md)
+    return md
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ratios", type=float, nargs="+", default=[0.2, 0.3, 0.4, 0.5])
+    ap.add_argument("--windows", type=int, default=16, help="perplexity windows of 512 tokens")
+    ap.add_argument("--refit", type=float, nargs="*", default=[],
+                    help="ratios at which to add Basis Sharing g2 with coefficient refit (the paper uses it from 40 %%)")
+    ap.add_argument("--reuse", action="store_true", help="reuse the calibrate/compress reports already in --out")
+    ap.add_argument("--out", type=Path, default=REPO / "outputs" / "bench_basis_sharing")
+    args = ap.parse_args()
+    methods = {label: (stage, args.ratios) for label, stage in METHODS.items()}
+    if args.refit:
+        methods["Basis Sharing g2 + refit"] = ({"method": "basis_sharing", "group_size": 2, "refit": True}, args.refit)
+    out = args.out.resolve()
+
+    # 1. the CLI steps: statistics once, one compression saved to disk
+    reports = {step: out / "reports" / f"{step}.json" for step in ("calibrate", "compress")}
+    calib, comp = (json.loads(path.read_text()) if args.reuse and path.is_file() else cli(step, out, [])
+                   for step, path in reports.items())
+    saved = comp["compressed"]
+    steps = [{"step": "calibrate", "seconds": calib["seconds"], "peak_memory_mb": calib["peak_memory_mb"]},
+             {"step": "compress (BS g2, 20 %)", "seconds": comp["stages"][0]["seconds"],
+              "peak_memory_mb": comp["peak_memory_mb"], "params": saved["params"], "file_bytes": saved["file_bytes"],
+              "params_x4_bytes": saved["params"] * 4}]
+
+    # 2. every method and ratio in process, reusing the saved Gram matrices
+    recipe = load_recipe(CONFIG, [f"output.dir={out}"])
+    original, tok = load_model(recipe.model)
+    ids = data.tokenize(tok, recipe.eval.perplexity[0], max_tokens=args.windows * 512 + 512)
+    base = perplexity(original, ids, 512, batch_size=4, max_windows=args.windows, label="ppl original")
+    rows = [{"method": "original", "ratio": 0, "ppl": round(base["ppl"], 2), "params": storage.stats(original)["params"]}]
+    speed: list[dict] = []
+    for ratio in sorted({r for _, ratios in methods.values() for r in ratios}):  # whole columns first
+        compressed = {"original": original}
+        for label, (stage, ratios) in methods.items():
+            if ratio not in ratios:
+                continue
+            model = copy.deepcopy(original)
+            run = recipe.model_copy()
+            run.compress = load_recipe(data={"compress": [{**stage, "ratio": ratio}]}).compress
+            start = time.perf_counter()
+            report = apply_stages(model, tok, run)[0]
+            seconds = time.perf_counter() - start
+            result = perplexity(model, ids, 512, batch_size=4, max_windows=args.windows, label=f"ppl {label} {ratio}")
+            rows.append({"method": label, "ratio": ratio, "ppl": round(result["ppl"], 2), "params": report["params_after"],
+                         "compress_s": round(seconds, 1), "remainder": report.get("remainder") or ""})
+            print(rows[-1], flush=True)
+            compressed[label] = model
+            write(out, args, recipe, rows, steps, speed, list(methods))
+        if ratio == args.ratios[0]:  # 3. prefill throughput, original vs each method at the first ratio
+            speed = [{"model": label, **{f"prefill tok/s b{b}": round(prefill_tokens_per_s(m, b)) for b in (1, 8)}}
+                     for label, m in compressed.items()]
+        del compressed
+    print(write(out, args, recipe, rows, steps, speed, list(methods)))
 
 
 if __name__ == "__main__":
