@@ -65,32 +65,39 @@ class KMeansConfig(StageConfig):
 
 # ----------------------------------------------------------------------------- clustering
 
-def _sample(p: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """One index per row of p (B, m) with probability proportional to p (inverse CDF; a row
-    of zeros picks its last point)."""
+def _sample(p: torch.Tensor, gen: torch.Generator, count: int = 1) -> torch.Tensor:
+    """``count`` indices per row of p (B, m), drawn with probability proportional to p
+    (inverse CDF; a row of zeros picks its last point)."""
     cdf = p.cumsum(1)
-    u = torch.rand(p.shape[0], 1, generator=gen, device=p.device, dtype=cdf.dtype) * cdf[:, -1:]
-    return torch.searchsorted(cdf, u, right=True)[:, 0].clamp_max(p.shape[1] - 1)
+    u = torch.rand(p.shape[0], count, generator=gen, device=p.device, dtype=cdf.dtype) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u, right=True).clamp_max(p.shape[1] - 1)
 
 
-def _kmeans_pp(points: torch.Tensor, weights: torch.Tensor, k: int, gen: torch.Generator) -> torch.Tensor:
+def _kmeans_pp(points: torch.Tensor, weights: torch.Tensor, k: int, gen: torch.Generator, trials: int = 1) -> torch.Tensor:
     """k-means++ seeding, batched: points (B, m, d), weights (B, m) -> centroids (B, k, d).
-    A group whose points are all centroids already draws duplicates (never NaN)."""
+
+    With ``trials`` > 1 each step draws that many candidates and keeps the one that lowers
+    the potential most (greedy k-means++, as scikit-learn does). A group whose points are all
+    centroids already draws duplicates (never NaN).
+    """
     b = torch.arange(points.shape[0], device=points.device)
-    centroids = [points[b, _sample(weights, gen)]]
+    centroids = [points[b, _sample(weights, gen)[:, 0]]]
     d2 = ((points - centroids[0][:, None]) ** 2).sum(-1)
     for _ in range(1, k):
-        nxt = points[b, _sample(d2 * weights, gen)]
-        centroids.append(nxt)
-        torch.minimum(d2, ((points - nxt[:, None]) ** 2).sum(-1), out=d2)
+        cand = points[b[:, None], _sample(d2 * weights, gen, trials)]  # (B, trials, d)
+        new = torch.minimum(d2[:, None], ((points[:, None] - cand[:, :, None]) ** 2).sum(-1))  # (B, trials, m)
+        best = (new * weights[:, None]).sum(-1).argmin(1)
+        centroids.append(cand[b, best])
+        d2 = new[b, best]
     return torch.stack(centroids, 1)
 
 
-def _init(points: torch.Tensor, weights: torch.Tensor, k: int, init: Init, gen: torch.Generator) -> torch.Tensor:
+def _init(points: torch.Tensor, weights: torch.Tensor, k: int, init: Init, gen: torch.Generator,
+          trials: int = 1) -> torch.Tensor:
     """Initial centroids (B, k, d). linear: evenly spaced between the per-coordinate min and
     max; density: per-coordinate weighted quantiles (equal mass per centroid)."""
     if init == "kmeans++":
-        return _kmeans_pp(points, weights, k, gen)
+        return _kmeans_pp(points, weights, k, gen, trials)
     if init == "linear":
         lo, hi = points.amin(1), points.amax(1)
         t = torch.linspace(0, 1, k, device=points.device, dtype=points.dtype)
@@ -211,7 +218,8 @@ def cluster(groups: torch.Tensor, bits: int, init: Init = "kmeans++", iterations
     if d == 1:
         if b == 1:  # restarts run side by side as a batch on the histogram
             x, w = (t[None].expand(n_init, -1) for t in _histogram(groups.reshape(-1)))
-            runs, sse = _lloyd_1d(x, w, _init(x[..., None], w, k, init, gen)[..., 0], iterations)
+            greedy = 2 + int(math.log(k))  # cheap on the histogram
+            runs, sse = _lloyd_1d(x, w, _init(x[..., None], w, k, init, gen, greedy)[..., 0], iterations)
             c = runs[sse.argmin()][None]
         else:
             x = groups[..., 0].float().sort(1).values
