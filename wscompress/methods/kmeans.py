@@ -182,7 +182,7 @@ def _histogram(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     from Lloyd on every weight where a cluster boundary cuts through a bin.
     """
     if values.element_size() == 2:
-        bits, shift = values.view(torch.int16).to(torch.int32), 0
+        bits = values.view(torch.int16).to(torch.int32)
         key = torch.where(bits < 0, bits ^ 0x7FFF, bits) + (1 << 15)
         size = 1 << 16
     else:
@@ -205,8 +205,8 @@ def _best(candidates: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
 def cluster(groups: torch.Tensor, bits: int, init: Init = "kmeans++", iterations: int = 300,
             n_init: int | None = None, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """k-means of each group of d-long points: groups (B, m, d) -> (codebooks (B, K, d),
-    indices (B, m)), in float32 on the groups' device; the best of ``n_init`` restarts
-    (default 3 for one scalar group, where restarts are cheap, else 1).
+    indices (B, m)), on the groups' device; the best of ``n_init`` restarts (default 3 for
+    one scalar group, where restarts are cheap, else 1).
 
     Scalars: per tensor on the histogram (whose bins keep exact means), per channel or group
     on the sorted values of all groups at once.
@@ -233,8 +233,8 @@ def cluster(groups: torch.Tensor, bits: int, init: Init = "kmeans++", iterations
     for _ in range(n_init):
         c = _lloyd_nd(groups, _init(groups, ones, k, init, gen), iterations)
         c = _refit(groups, _nearest(groups, c), c)
-        err = ((groups - torch.gather(c, 1, _nearest(groups, c)[..., None].expand(-1, -1, d))) ** 2).sum((1, 2))
-        runs.append((c, err))
+        assign = _nearest(groups, c)
+        runs.append((c, ((groups - torch.gather(c, 1, assign[..., None].expand(-1, -1, d))) ** 2).sum((1, 2))))
     c = _best(runs)
     return c, nearest(groups, c)
 
