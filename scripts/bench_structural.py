@@ -77,6 +77,22 @@ def paired_prefill_ms(models: list, seq_len: int, rounds: int) -> list[tuple[flo
     return best
 
 
+def depth_latency(base, args) -> list[dict]:
+    """Prefill latency of the original and of merge_drop n=2/4 (no calibration, no fine-tune),
+    timed in turn over many rounds: the latency should drop with the removed depth."""
+    models = [base]
+    for n in (2, 4):
+        model = copy.deepcopy(base)
+        apply_stages(model, None, load_recipe(data={"compress": [{"method": "merge_drop", "n": n}]}))
+        models.append(model)
+    times = paired_prefill_ms(models, args.prefill_len, args.rounds)
+    (wall, cpu) = times[0]
+    return [{"model": f"merge_drop_n{n}" if n else "original", "layers": m.config.num_hidden_layers,
+             "depth_ratio": m.config.num_hidden_layers / base.config.num_hidden_layers,
+             "prefill_ms": t[0], "latency_ratio": t[0] / wall, "prefill_cpu_ms": t[1], "cpu_time_ratio": t[1] / cpu}
+            for n, m, t in zip((0, 2, 4), models, times)]
+
+
 def markdown(rows: list[dict], cols: list[str]) -> str:
     def cell(v):
         return f"{v:.3g}" if isinstance(v, float) and abs(v) < 1000 else (f"{v:,}" if isinstance(v, int | float) else str(v))
@@ -130,6 +146,8 @@ def main() -> None:
     ap.add_argument("--only", nargs="+", choices=list(CONFIGS), help="run only these (the original always runs)")
     ap.add_argument("--no-reference-ft", dest="reference_ft", action="store_false",
                     help="skip fine-tuning the original (the reference for the fine-tuned perplexities)")
+    ap.add_argument("--depth-latency", action="store_true",
+                    help="only time original vs merge_drop n=2/4 (use many --rounds on a busy machine)")
     ap.add_argument("--out", type=Path, default=REPO / "outputs" / "bench_structural")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -137,6 +155,14 @@ def main() -> None:
 
     base, tokenizer = load(str(builtin_dir("smollm2-135m-instruct")))
     base.to("cuda" if torch.cuda.is_available() else "cpu")
+    if args.depth_latency:
+        rows = depth_latency(base, args)
+        table = markdown(rows, list(rows[0]))
+        setup = {k: str(v) for k, v in vars(args).items()}
+        (args.out / "depth_latency.json").write_text(json.dumps({"setup": setup, "rows": rows}, indent=1))
+        (args.out / "depth_latency.md").write_text(f"# merge_drop prefill latency vs depth\n\n{table}\n")
+        print(table)
+        return
     test_ids = data.tokenize(tokenizer, str(WIKI / "wiki.test.txt"), max_tokens=args.windows * 512 + 1)
     names = ["original"] + [n for n in CONFIGS if n != "original" and (not args.only or n in args.only)]
     setup = {"device": str(next(base.parameters()).device), "threads": torch.get_num_threads(),

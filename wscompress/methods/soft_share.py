@@ -106,12 +106,8 @@ def aligned_weights(arch: Arch, i: int, perm: torch.Tensor) -> dict[str, Weights
     for role, name in ffn_names(arch, i).items():
         module = get_module(arch.model, name)
         w, b = weight_of(module).detach(), getattr(module, "bias", None)
-        b = None if b is None else b.detach()
-        if role in OUTPUT_ROLES:
-            perm_d = perm.to(w.device)
-            out[role] = (w[perm_d], None if b is None else b[perm_d])
-        else:
-            out[role] = (w[:, perm.to(w.device)], b)
+        b, p = None if b is None else b.detach(), perm.to(w.device)
+        out[role] = (w[p], None if b is None else b[p]) if role in OUTPUT_ROLES else (w[:, p], b)
     return out
 
 
