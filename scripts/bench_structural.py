@@ -148,10 +148,14 @@ def main() -> None:
                     help="skip fine-tuning the original (the reference for the fine-tuned perplexities)")
     ap.add_argument("--depth-latency", action="store_true",
                     help="only time original vs merge_drop n=2/4 (use many --rounds on a busy machine)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch CPU threads (1 keeps timings stable on an oversubscribed machine)")
     ap.add_argument("--out", type=Path, default=REPO / "outputs" / "bench_structural")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
+    if args.threads:  # with several threads every op waits for the slowest one: preemption multiplies
+        torch.set_num_threads(args.threads)
 
     base, tokenizer = load(str(builtin_dir("smollm2-135m-instruct")))
     base.to("cuda" if torch.cuda.is_available() else "cpu")
