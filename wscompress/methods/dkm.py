@@ -10,7 +10,9 @@ At the end ``finalize`` snaps every weight to its nearest centroid and swaps in
 The attention map has one row per weight and K columns: more than the model itself. It is
 computed in chunks of at most ``chunk_size`` entries, each under ``torch.utils.checkpoint``,
 so only one chunk's attention exists at a time (it is recomputed in the backward pass); the
-memory above plain fine-tuning is about one soft weight matrix per layer, not n x K.
+memory above plain fine-tuning is about one soft weight matrix per layer, not n x K. (On CPU,
+glibc keeps freed multi-MB chunks on its heap unless MALLOC_MMAP_THRESHOLD_ is set, e.g. to
+65536; then the resident memory follows what is actually live.)
 
 ``temperature`` is relative to the codebook: tau = temperature x the mean squared distance
 between neighbouring centroids at the start, so the same value suits any weight scale (at
