@@ -7,6 +7,7 @@ import copy
 
 import pytest
 import torch
+from conftest import WIKI_TEST, WIKI_TRAIN, tiny_model
 
 import wscompress
 from wscompress import data, storage
@@ -16,9 +17,6 @@ from wscompress.finetune import finetune
 from wscompress.methods.dkm import DKMLinear, parse_options, prepare_dkm
 from wscompress.methods.kmeans import PalettizedLinear
 from wscompress.recipe import load_recipe
-
-from conftest import WIKI_TEST, WIKI_TRAIN, tiny_model
-
 
 
 @pytest.fixture(autouse=True)
@@ -69,7 +67,7 @@ def _recipe(mode: str, steps: int, lr: float, **kw):
 def test_dkm_training_beats_post_training_kmeans(tokenizer, tmp_path):
     torch.manual_seed(0)
     ids = data.tokenize(tokenizer, WIKI_TEST, max_tokens=64 * 16 + 1)
-    ppl = lambda m: perplexity(m, ids, 64, max_windows=16)["ppl"]  # noqa: E731
+    ppl = lambda m: perplexity(m, ids, 64, max_windows=16)["ppl"]
     model, _ = finetune(tiny_model("llama"), tokenizer, _recipe("full", 120, 3e-3))  # a real (tiny) LM first
     ptq = copy.deepcopy(model)
     (ptq_report,) = wscompress.compress(ptq, [{"method": "kmeans", "bits": 2}])

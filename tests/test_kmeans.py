@@ -8,6 +8,7 @@ import struct
 import numpy as np
 import pytest
 import torch
+from conftest import REPO, tiny_model
 
 import wscompress
 from wscompress import storage
@@ -15,9 +16,6 @@ from wscompress.errors import UsageError
 from wscompress.methods import kmeans
 from wscompress.methods.kmeans import PalettizedLinear, cluster
 from wscompress.recipe import load_recipe
-
-from conftest import REPO, tiny_model
-
 
 
 @pytest.fixture(autouse=True)

@@ -8,8 +8,16 @@ import numpy as np
 import pytest
 import torch
 
-from wscompress.packing import (BLOCK, entropy, huffman_decode, huffman_encode, huffman_lengths, pack, packed_nbytes,
-                                unpack)
+from wscompress.packing import (
+    BLOCK,
+    entropy,
+    huffman_decode,
+    huffman_encode,
+    huffman_lengths,
+    pack,
+    packed_nbytes,
+    unpack,
+)
 
 
 @pytest.mark.parametrize("bits", range(1, 9))

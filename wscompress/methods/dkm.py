@@ -23,7 +23,8 @@ and after training measure the model that ``finalize`` produces.
 
 from __future__ import annotations
 
-from typing import Callable, Literal
+from collections.abc import Callable
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -35,8 +36,20 @@ from .. import ui
 from ..arch import weight_of
 from ..errors import UsageError
 from ..recipe import Strict, _format_errors
-from .kmeans import (Init, KMeansConfig, PalettizedLinear, check_layer, cluster, dequantize, group_size_of, layer_report,
-                     nearest, replace_everywhere, summarize, target_layers)
+from .kmeans import (
+    Init,
+    KMeansConfig,
+    PalettizedLinear,
+    check_layer,
+    cluster,
+    dequantize,
+    group_size_of,
+    layer_report,
+    nearest,
+    replace_everywhere,
+    summarize,
+    target_layers,
+)
 
 
 class DKMOptions(Strict):
@@ -153,7 +166,7 @@ def prepare_dkm(model: nn.Module, options: dict) -> tuple[list[nn.Parameter], Ca
     wrapped: dict[str, DKMLinear] = {}
     for name, module in ui.track(list(layers.items()), "dkm init"):
         w = weight_of(module)
-        out, inp = w.shape
+        out = w.shape[0]
         gs, d = group_size_of(kcfg, out), opts.cluster_dim
         codebook, _ = cluster(w.detach().reshape(out // gs, -1, d), opts.bits, opts.init, seed=opts.seed)
         weight = module.weight if isinstance(module, nn.Linear) else nn.Parameter(w.detach().clone())

@@ -32,7 +32,16 @@ from .. import ui
 from ..arch import LINEAR_TYPES, discover, match_modules, set_module, weight_of
 from ..errors import UsageError
 from ..modules import CompressedLinear, register_module
-from ..packing import BLOCK, HuffmanStream, entropy, huffman_decode, huffman_encode, pack, packed_nbytes, unpack
+from ..packing import (
+    BLOCK,
+    HuffmanStream,
+    entropy,
+    huffman_decode,
+    huffman_encode,
+    pack,
+    packed_nbytes,
+    unpack,
+)
 from ..recipe import StageConfig
 from . import register
 
@@ -143,7 +152,7 @@ def _lloyd_1d(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor, iterations: int
 
 def _nearest(points: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
     """Index of the nearest centroid for points (B, m, d), centroids (B, k, d), in chunks."""
-    b, m, _ = points.shape
+    b = points.shape[0]
     step = max(1, CHUNK_ELEMENTS // (b * centroids.shape[1]))
     c2 = (centroids ** 2).sum(-1)[:, None]
     out = []
@@ -423,7 +432,7 @@ def palettize(module: nn.Module, cfg: KMeansConfig) -> PalettizedLinear:
 def summarize(rows: list[dict], bits: int) -> dict:
     """Totals over layers: weighted bits per weight, error, ratios, entropy."""
     n = np.array([math.prod(r["shape"]) for r in rows], dtype=np.float64)
-    mean = lambda key: float((np.array([r[key] for r in rows]) * n).sum() / n.sum())  # noqa: E731
+    mean = lambda key: float((np.array([r[key] for r in rows]) * n).sum() / n.sum())
     out = {"layers": len(rows), "weights": int(n.sum()), "bits": bits, "bits_per_weight": mean("bits_per_weight"),
            "ratio_formula": float(32 * n.sum() / (n / np.array([r["ratio_formula"] for r in rows]) * 32).sum()),
            "ratio_storage": 32 / mean("bits_per_weight"), "mse": mean("mse"),
