@@ -235,3 +235,14 @@ def test_shipped_recipes_validate(path):
         assert parse_options(recipe.finetune.dkm).bits in range(1, 9)
     else:
         assert recipe.compress[0].method == "kmeans"
+
+
+def test_dense_export_loads_in_stock_transformers(tokenizer, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = tiny_model("llama")
+    wscompress.compress(model, [{"method": "kmeans", "bits": 3, "granularity": "per_channel", "entropy_coding": True}])
+    storage.export_dense(model, tokenizer, tmp_path / "dense")
+    dense = AutoModelForCausalLM.from_pretrained(tmp_path / "dense").eval()
+    x = torch.randint(0, 512, (1, 16))
+    assert torch.allclose(_outputs(dense, x), _outputs(model, x), atol=1e-5)
