@@ -79,3 +79,23 @@ def test_calibrate_writes_statistics(tmp_path, tiny_dir):
     assert (tmp_path / "out" / "calibration.safetensors").is_file()
     report = json.loads((tmp_path / "out" / "reports" / "calibrate.json").read_text())
     assert report["modules"] == 4 * 7 and report["gram_matrices"] == 4 * 4  # q/k/v and gate/up share inputs
+
+
+def test_saved_statistics_feed_a_multi_stage_compress(tmp_path, tiny_dir):
+    """Stage 0 reuses calibration.safetensors; stage 1 sees a changed model and recomputes."""
+    path = recipe(tmp_path, tiny_dir("llama"), calibration={"dataset": "pydoc", "num_samples": 4, "seq_len": 32},
+                  compress=[{"method": "svd", "ratio": 0.3, "targets": ["mlp"]},
+                            {"method": "svd", "ratio": 0.3, "targets": ["self_attn"]}])
+    assert runner.invoke(app, ["calibrate", str(path), "-q"]).exit_code == 0
+    result = runner.invoke(app, ["compress", str(path), "-q"])
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "out" / "reports" / "compress.json").read_text())
+    assert [s["method"] for s in report["stages"]] == ["svd", "svd"]
+    assert report["compressed"]["params"] < report["original"]["params"]
+
+
+def test_target_matching_nothing_exits_2_without_output(tmp_path, tiny_dir):
+    path = recipe(tmp_path, tiny_dir("llama"), compress=[{"method": "svd", "ratio": 0.3, "targets": ["no_such_proj"]}])
+    result = runner.invoke(app, ["compress", str(path)])
+    assert result.exit_code == 2 and "matches no module" in result.output
+    assert not (tmp_path / "out" / "model").exists()

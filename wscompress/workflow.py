@@ -25,6 +25,7 @@ class Context:
     def __init__(self, recipe: Recipe, tokenizer):
         self.recipe, self.tokenizer = recipe, tokenizer
         self._batches: list[torch.Tensor] | None = None
+        self.stages_done = 0  # saved statistics describe the model before the first stage only
 
     def calibration(self) -> list[torch.Tensor]:
         """Calibration batches (token ids), sampled once per run."""
@@ -43,9 +44,10 @@ class Context:
 
     def grams(self, model: nn.Module, names: list[str]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         """Input Gram matrices of the named linears: from ``<output>/calibration.safetensors``
-        when `calibrate` wrote one for this model and data, else computed now."""
+        when `calibrate` wrote one for this model and data, else computed now (always after an
+        earlier stage of this run changed the model)."""
         path = stats_path(self.recipe)
-        if path.is_file():
+        if path.is_file() and self.stages_done == 0:
             grams, owner = calibrate.load_grams(path, self.stats_meta(model))
             if all(n in owner for n in names):
                 return grams, owner
@@ -71,6 +73,7 @@ def apply_stages(model: nn.Module, tokenizer, recipe: Recipe) -> list[dict]:
         before = storage.stats(model)["params"]
         start = time.perf_counter()
         result = METHODS[stage.method].apply(model, stage, ctx) or {}
+        ctx.stages_done += 1
         rows.append({"stage": i, "method": stage.method, "params_before": before,
                      "params_after": storage.stats(model)["params"], "seconds": round(time.perf_counter() - start, 2), **result})
         ui.log(f"stage {i} {stage.method}: {rows[-1]['params_before']:,} -> {rows[-1]['params_after']:,} parameters")
