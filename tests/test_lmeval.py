@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import yaml
 from conftest import SENTIMENT, WIKI_TEST, tiny_model
@@ -26,7 +28,7 @@ def test_sentiment_task_runs_offline_on_a_compressed_model(tokenizer):
 
 def test_local_task_yaml_resolves_data_next_to_it(tmp_path, tokenizer):
     """A task file copied elsewhere with its data finds the data relative to itself."""
-    (tmp_path / "reviews.jsonl").write_text("\n".join(open(SENTIMENT).read().splitlines()[:4]) + "\n")
+    (tmp_path / "reviews.jsonl").write_text("\n".join(Path(SENTIMENT).read_text().splitlines()[:4]) + "\n")
     cfg = yaml.safe_load(shipped_tasks()[TASK].read_text())
     cfg.update(task="my_reviews", dataset_kwargs={"data_files": {"test": "reviews.jsonl"}})
     (tmp_path / "my_reviews.yaml").write_text(yaml.safe_dump(cfg))

@@ -19,8 +19,8 @@ import json
 import math
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -190,11 +190,11 @@ def finetune(model: nn.Module, tokenizer, recipe: Recipe, resume: bool = False,
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(s, cfg))
     autocast, scaler = _mixed_precision(cfg, device, params)
     ckpt = recipe.out / CKPT
-    step, history = 0, []
+    first, history = 0, []
     if resume:
         if ckpt.is_dir():
-            step, history = _load_checkpoint(ckpt, params, opt, sched, cfg)
-            ui.log(f"resumed from {ckpt} at step {step}")
+            first, history = _load_checkpoint(ckpt, params, opt, sched, cfg)
+            ui.log(f"resumed from {ckpt} at step {first}")
         else:
             ui.log(f"[yellow]no checkpoint at {ckpt}; starting from step 0[/]")
     train_ids = data.tokenize(tokenizer, cfg.dataset, max_tokens=max(cfg.steps * cfg.grad_accum * cfg.batch_size * cfg.seq_len, 200_000))
@@ -212,7 +212,7 @@ def finetune(model: nn.Module, tokenizer, recipe: Recipe, resume: bool = False,
     trainable = sum(p.numel() for p in params)
     start = time.perf_counter()
     model.train()
-    for step in ui.track(range(step, cfg.steps), "finetune steps", total=cfg.steps - step):
+    for step in ui.track(range(first, cfg.steps), "finetune steps", total=cfg.steps - first):
         total = 0.0
         for micro in range(cfg.grad_accum):
             (x,) = data.sample_batches(train_ids, cfg.batch_size, cfg.seq_len, cfg.batch_size, seed=cfg.seed * 1_000_003 + step * cfg.grad_accum + micro)

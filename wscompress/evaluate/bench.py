@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 from pathlib import Path
-from typing import Callable
 
 import torch
 from torch import nn
@@ -33,7 +33,7 @@ def weight_files_bytes(cfg: ModelConfig) -> int | None:
 
         try:
             folder = Path(snapshot_download(path, revision=cfg.revision, local_files_only=True))
-        except Exception:  # not cached: hub errors come in many types
+        except (OSError, ValueError):  # not in the local cache, or not a valid hub id
             return None
     if gguf:
         return (folder / gguf).stat().st_size
@@ -60,7 +60,7 @@ def _median_seconds(device: torch.device, run: Callable[[object], None], setup: 
     times = []
     for i in range(cfg.warmup + cfg.repeats):
         state = setup()
-        seconds = _elapsed(device, lambda: run(state))
+        seconds = _elapsed(device, lambda s=state: run(s))
         if i >= cfg.warmup:
             times.append(seconds)
     return statistics.median(times)
