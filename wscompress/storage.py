@@ -168,9 +168,12 @@ def export_dense(model: nn.Module, tokenizer, out_dir: str | Path) -> None:
     """Write a plain HF checkpoint: compressed layers materialised, sharing undone (tied
     embeddings stay tied through the config), loadable by stock ``from_pretrained``."""
     dense = copy.deepcopy(model)
+    replaced: list[str] = []
     for name, module in list(dense.named_modules(remove_duplicate=False)):
-        if hasattr(module, "to_dense") and type(module).__name__ in MODULE_TYPES:
+        inside = any(name.startswith(r + ".") for r in replaced)  # materialised with its parent
+        if not inside and hasattr(module, "to_dense") and type(module).__name__ in MODULE_TYPES:
             set_module(dense, name, module.to_dense())
+            replaced.append(name)
     for alias in _module_aliases(dense):
         set_module(dense, alias, copy.deepcopy(get_module(dense, alias)))
     tied = {id(dense.get_input_embeddings().weight)} if getattr(dense.config, "tie_word_embeddings", False) else set()
