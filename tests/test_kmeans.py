@@ -18,13 +18,7 @@ from wscompress.methods.kmeans import PalettizedLinear, cluster
 from wscompress.recipe import load_recipe
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors: thread start-up costs more than it saves (badly so on a shared CPU)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 def naive_kmeans(x: np.ndarray, k: int, seeds: int = 5, iters: int = 300) -> float:
     """Reference: plain Lloyd over every point (k-means++ seeding), best of several seeds; MSE."""
