@@ -76,7 +76,7 @@ def test_stage_options_validated_by_method(tmp_path):
 
     name = sorted(METHODS)[0]
     msg = error_of(tmp_path, {"compress": [{"method": name, "no_such_option": 1}]})
-    assert f"compress.0.no_such_option" in msg and f"keys of method {name!r}" in msg
+    assert "compress.0.no_such_option" in msg and f"keys of method {name!r}" in msg
 
 
 def test_overrides(tmp_path):

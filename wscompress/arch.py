@@ -76,6 +76,13 @@ def set_module(root: nn.Module, name: str, module: nn.Module) -> None:
     setattr(get_module(root, parent), leaf, module)
 
 
+def replace_everywhere(model: nn.Module, old: nn.Module, new: nn.Module) -> None:
+    """Swap ``old`` for ``new`` under every name that reaches it (shared layers stay shared)."""
+    for name, m in list(model.named_modules(remove_duplicate=False)):
+        if m is old:
+            set_module(model, name, new)
+
+
 @dataclass
 class Arch:
     """What a compression method needs to know about a causal LM."""

@@ -33,7 +33,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .. import ui
-from ..arch import weight_of
+from ..arch import replace_everywhere, weight_of
 from ..errors import UsageError
 from ..recipe import Strict, _format_errors
 from .kmeans import (
@@ -46,7 +46,6 @@ from .kmeans import (
     group_size_of,
     layer_report,
     nearest,
-    replace_everywhere,
     summarize,
     target_layers,
 )

@@ -29,7 +29,7 @@ from pydantic import Field, model_validator
 from torch import nn
 
 from .. import ui
-from ..arch import LINEAR_TYPES, discover, match_modules, set_module, weight_of
+from ..arch import LINEAR_TYPES, discover, match_modules, replace_everywhere, weight_of
 from ..errors import UsageError
 from ..modules import CompressedLinear, register_module
 from ..packing import (
@@ -388,13 +388,6 @@ def target_layers(model: nn.Module, cfg: StageConfig) -> dict[str, nn.Module]:
             raise UsageError(f"{name} shares its weight with the input embeddings (tied)",
                              f"add {name!r} to ignore: palettizing one side of a tied pair would store the matrix twice")
     return layers
-
-
-def replace_everywhere(model: nn.Module, old: nn.Module, new: nn.Module) -> None:
-    """Swap ``old`` for ``new`` under every name that reaches it (shared layers stay shared)."""
-    for name, m in list(model.named_modules(remove_duplicate=False)):
-        if m is old:
-            set_module(model, name, new)
 
 
 def layer_report(name: str, weight: torch.Tensor, layer: PalettizedLinear) -> dict:
