@@ -100,10 +100,11 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=16, help="perplexity windows of 512 tokens")
     ap.add_argument("--refit", type=float, nargs="*", default=[],
                     help="ratios at which to add Basis Sharing g2 with coefficient refit (the paper uses it from 40 %%)")
+    ap.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS), help="the rows to measure")
     ap.add_argument("--reuse", action="store_true", help="reuse the calibrate/compress reports already in --out")
     ap.add_argument("--out", type=Path, default=REPO / "outputs" / "bench_basis_sharing")
     args = ap.parse_args()
-    methods = {label: (stage, args.ratios) for label, stage in METHODS.items()}
+    methods = {label: (stage, args.ratios) for label, stage in METHODS.items() if label in args.methods}
     if args.refit:
         methods["Basis Sharing g2 + refit"] = ({"method": "basis_sharing", "group_size": 2, "refit": True}, args.refit)
     out = args.out.resolve()

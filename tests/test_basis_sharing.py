@@ -119,6 +119,30 @@ def test_dense_export_loads_in_stock_transformers(tmp_path, tokenizer):
     torch.testing.assert_close(logits(stock), logits(model), atol=1e-4, rtol=1e-4)
 
 
+def test_each_layer_gets_least_squares_coefficients_for_its_own_inputs(tokenizer):
+    """The basis serves the group; every layer's coefficients then minimise that layer's own
+    output error ‖(W - C·B)·Xᵀ‖: the gradient (C·B - W)·XᵀX·Bᵀ vanishes, and the error is
+    below the one of the coefficients read off the group's SVD."""
+    from wscompress.calibrate import collect_grams
+    from wscompress.linalg import low_rank
+
+    model = tiny_model("llama")
+    batches = data.calibration_batches(tokenizer, CALIB["dataset"], 8, 64, 4, seed=0)
+    names = [f"model.layers.{i}.mlp.up_proj" for i in (0, 1)]
+    grams, owner = collect_grams(model, batches, names)
+    ws = [model.get_submodule(n).weight.detach().double() for n in names]
+    gs = [grams[owner[n]] for n in names]
+    compress(model, tokenizer, group_size=2, ratio=0.5)
+    group_coeff, _, _ = low_rank(torch.cat(ws), layer(model, 0).mlp.up_proj.rank, sum(gs))
+    for i, (w, g, svd_coeff) in enumerate(zip(ws, gs, group_coeff.split(ws[0].shape[0]))):
+        up = layer(model, i).mlp.up_proj
+        b, c = up.basis.weight.double(), up.coeff.weight.double()
+        grad = (c @ b - w) @ g @ b.T
+        assert grad.abs().max() < 1e-4 * (w @ g @ b.T).abs().max()
+        error = lambda coeff: torch.trace((w - coeff @ b) @ g @ (w - coeff @ b).T)  # noqa: E731
+        assert error(c) < error(svd_coeff)
+
+
 def test_refit_keeps_bases_and_lowers_the_error(tokenizer):
     calib = torch.cat(data.calibration_batches(tokenizer, CALIB["dataset"], 8, 64, 4, seed=0))
     base = tiny_model("llama_mha")
