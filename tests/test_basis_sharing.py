@@ -160,6 +160,33 @@ def test_refit_keeps_bases_and_lowers_the_error(tokenizer):
     assert errors[True] < errors[False]
 
 
+def test_refit_solves_each_module_on_the_inputs_it_finally_receives(tokenizer):
+    """Refit goes module by module in forward order, so every coefficient matrix is the least
+    squares fit for exactly the inputs the finished compressed model feeds it (o after q/k/v
+    were refit, down after gate/up), against the original module's outputs."""
+    from wscompress.linalg import refit_coefficients
+
+    batches = data.calibration_batches(tokenizer, CALIB["dataset"], 8, 64, 4, seed=0)
+    base, model = tiny_model("llama_mha"), tiny_model("llama_mha")
+    compress(model, tokenizer, group_size=2, ratio=0.5, refit=True)
+    names = [n for n, m in model.named_modules() if isinstance(m, LowRankLinear)]
+    seen = {}
+    for key, net in (("x", base), ("xc", model)):
+        hooks = [net.get_submodule(n).register_forward_hook(
+                 lambda _m, a, _o, n=n, key=key: seen.setdefault((key, n), []).append(a[0].reshape(-1, a[0].shape[-1]).double()))
+                 for n in names]
+        with torch.no_grad():
+            for batch in batches:
+                net(input_ids=batch)
+        for h in hooks:
+            h.remove()
+    for n in names:
+        x, xc = torch.cat(seen["x", n]), torch.cat(seen["xc", n])
+        module = model.get_submodule(n)
+        want = refit_coefficients(base.get_submodule(n).weight, module.basis.weight, xc.T @ xc, x.T @ xc)
+        torch.testing.assert_close(module.coeff.weight.double(), want, rtol=1e-3, atol=1e-4, msg=n)
+
+
 def test_singular_gram_falls_back_to_a_shift(tokenizer):
     model = tiny_model("llama")
     row = wscompress.compress(model, [{"method": "basis_sharing", "ratio": 0.2}], tokenizer,

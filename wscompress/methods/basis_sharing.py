@@ -143,11 +143,13 @@ def apply(model: nn.Module, cfg: BasisSharingConfig, ctx) -> dict:
 
 
 def _record(model: nn.Module, names: list[str], layer: nn.Module, inputs: LayerInputs) -> tuple[dict, list]:
-    """Run ``layer`` on ``inputs``: (module name -> its input per batch as (tokens, in), the
-    layer's outputs). Modules fed the same tensor (q/k/v) reference the same memory."""
-    seen: dict[str, list[torch.Tensor]] = {n: [] for n in names}
-    handles = [get_module(model, n).register_forward_hook(lambda _m, a, _o, n=n: seen[n].append(a[0].reshape(-1, a[0].shape[-1])))
-               for n in names]
+    """Run ``layer`` on ``inputs``: (module name -> its input per batch as (tokens, in), in the
+    order the modules run; the layer's outputs). Modules fed the same tensor (q/k/v) share memory."""
+    seen: dict[str, list[torch.Tensor]] = {}
+
+    def hook(_m, args, _o, name):
+        seen.setdefault(name, []).append(args[0].reshape(-1, args[0].shape[-1]))
+    handles = [get_module(model, n).register_forward_hook(lambda m, a, o, n=n: hook(m, a, o, n)) for n in names]
     try:
         return seen, run_layer(layer, inputs)
     finally:
@@ -158,23 +160,26 @@ def _record(model: nn.Module, names: list[str], layer: nn.Module, inputs: LayerI
 @torch.no_grad()
 def _swap_and_refit(model: nn.Module, arch: Arch, new: dict[str, LowRankLinear], batches: list[torch.Tensor]) -> None:
     """Swap the replacements in layer by layer, re-solving every coefficient matrix (bases stay
-    fixed) so that the layer, fed what the already-compressed model produces, reproduces the
-    original layer's outputs on the original inputs (SVD-LLM's update step). Errors of earlier
-    layers are compensated instead of compounded. Runs the original model alongside."""
+    fixed) so that each module, fed what the compressed model produces, reproduces what the
+    original module outputs on the original inputs (SVD-LLM's update step): errors of earlier
+    modules are compensated instead of compounded. Within a layer the modules are refit in the
+    order they run (q/k/v, o, gate/up, down), each on inputs that already reflect the refits
+    before it. Runs the original model alongside."""
     original: LayerInputs | None = None  # what enters layer i in the uncompressed model
     for i, layer, inputs in layerwise(model, batches, arch, label="basis sharing refit"):
         original = original or inputs
-        names = [n for n in new if n.startswith(arch.layer_name(i) + ".")]
-        xs, outputs = _record(model, names, layer, original)
-        weights = {n: weight_of(get_module(model, n)) for n in names}
-        for n in names:
+        xs, outputs = _record(model, [n for n in new if n.startswith(arch.layer_name(i) + ".")], layer, original)
+        weights = {n: weight_of(get_module(model, n)) for n in xs}
+        for n in xs:
             set_module(model, n, new[n])
-        xcs, _ = _record(model, names, layer, inputs)
-        stats: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # shared by q/k/v, gate/up
-        for n in names:
-            key = (xs[n][0].data_ptr(), xcs[n][0].data_ptr())
-            if key not in stats:
-                stats[key] = (sum(xc.double().T @ xc.double() for xc in xcs[n]),
-                              sum(x.double().T @ xc.double() for x, xc in zip(xs[n], xcs[n])))
-            new[n].coeff.weight.copy_(refit_coefficients(weights[n], new[n].basis.weight, *stats[key]))
+        pending = list(xs)  # forward order
+        while pending:  # refit the modules fed by the first pending input, then re-run the layer
+            xcs, _ = _record(model, pending, layer, inputs)
+            first = xcs[pending[0]][0].data_ptr()
+            group = [n for n in pending if xcs[n][0].data_ptr() == first]
+            gram = sum(xc.double().T @ xc.double() for xc in xcs[group[0]])
+            cross = sum(x.double().T @ xc.double() for x, xc in zip(xs[group[0]], xcs[group[0]]))
+            for n in group:
+                new[n].coeff.weight.copy_(refit_coefficients(weights[n], new[n].basis.weight, gram, cross))
+            pending = [n for n in pending if n not in group]
         original = LayerInputs(outputs, original.kwargs)
