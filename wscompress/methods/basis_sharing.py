@@ -12,8 +12,9 @@ layer's output error at no cost in size (on SmolLM2 this is what puts Basis Shar
 SVD-LLM at every ratio, see scripts/bench_basis_sharing.py). The rank
 k = floor((1 - r)·n·d_in·d_out / (d_in + n·d_out)) removes ``ratio`` of the group's
 parameters. Private projections are compressed per layer at the same ratio (SVD-LLM).
-With ``refit: true`` the coefficients are re-solved layer by layer on the inputs the
-compressed model itself produces (the paper's update step, useful from ~40 % on).
+With ``refit: true`` the coefficients are re-solved module by module on the inputs the
+compressed model itself produces (the paper's update step; on SmolLM2 it helps at 50 % and
+hurts at 40 %, so it is off by default).
 """
 
 from __future__ import annotations
