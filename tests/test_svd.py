@@ -118,3 +118,28 @@ def test_gpt2_save_load_and_dense_export(tmp_path, tokenizer):
     storage.export_dense(loaded, tokenizer, tmp_path / "dense")
     stock = AutoModelForCausalLM.from_pretrained(tmp_path / "dense").eval()  # Conv1D weights back in (in, out)
     torch.testing.assert_close(logits(stock), out, atol=1e-4, rtol=1e-4)
+
+
+def test_svd_after_cross_layer_keeps_the_layers_shared(tmp_path, tokenizer):
+    """A module cross_layer shared between layers is factorised once, on the statistics of all
+    its uses, and stays one module: the parameter count drops as for a single layer."""
+    model = tiny_model("llama")
+    stages = [{"method": "cross_layer", "what": "ffn", "group_size": 2}, {"method": "svd", "ratio": 0.5}]
+    wscompress.compress(model, stages, tokenizer, CALIB)
+    layers = model.model.layers
+    assert isinstance(layers[0].mlp.up_proj, LowRankLinear) and layers[0].mlp.up_proj is layers[1].mlp.up_proj
+    assert layers[0].mlp.up_proj is not layers[2].mlp.up_proj
+    before = logits(model)
+    saved = storage.save(model, tokenizer, tmp_path / "m")
+    assert saved["params"] == storage.stats(model)["params"]
+    loaded, _ = wscompress.load(tmp_path / "m")
+    assert loaded.model.layers[0].mlp.up_proj is loaded.model.layers[1].mlp.up_proj
+    torch.testing.assert_close(logits(loaded), before)
+
+
+@pytest.mark.parametrize("method", ["basis_sharing", "soft_share"])
+def test_per_layer_methods_refuse_modules_shared_by_an_earlier_stage(method, tokenizer):
+    model = tiny_model("llama")
+    stages = [{"method": "cross_layer", "what": "ffn", "group_size": 2}, {"method": method}]
+    with pytest.raises(UsageError, match="same module as model.layers.0.mlp"):
+        wscompress.compress(model, stages, tokenizer, CALIB)

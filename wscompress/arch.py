@@ -76,6 +76,22 @@ def set_module(root: nn.Module, name: str, module: nn.Module) -> None:
     setattr(get_module(root, parent), leaf, module)
 
 
+def distinct(model: nn.Module, names: list[str]) -> list[str]:
+    """``names`` less those reaching a module an earlier name already reaches (layers an
+    earlier stage, e.g. cross_layer, made share it): each module object once."""
+    first: dict[int, str] = {}
+    return [n for n in names if first.setdefault(id(get_module(model, n)), n) == n]
+
+
+def require_unshared(model: nn.Module, names: list[str], method: str) -> None:
+    """Refuse modules shared between layers where a method must treat each layer's own."""
+    first: dict[int, str] = {}
+    for n in names:
+        if (kept := first.setdefault(id(get_module(model, n)), n)) != n:
+            raise UsageError(f"{method}: {n} is the same module as {kept} (an earlier stage, e.g. cross_layer, shares it)",
+                             f"run {method} before the sharing stage, or leave those modules out with ignore:")
+
+
 def replace_everywhere(model: nn.Module, old: nn.Module, new: nn.Module) -> None:
     """Swap ``old`` for ``new`` under every name that reaches it (shared layers stay shared)."""
     for name, m in list(model.named_modules(remove_duplicate=False)):
@@ -172,8 +188,9 @@ def match_modules(model: nn.Module, targets: list[str], ignore: list[str] = (),
     """Modules of type ``kind`` whose names match any target regex (re.search) and no ignore regex.
 
     A target that matches nothing is a user error: a typo should not silently compress nothing.
+    A module shared between layers matches under each of its names.
     """
-    candidates = {n: m for n, m in model.named_modules() if n and isinstance(m, kind)}
+    candidates = {n: m for n, m in model.named_modules(remove_duplicate=False) if n and isinstance(m, kind)}
     out: dict[str, nn.Module] = {}
     for pattern in targets:
         try:

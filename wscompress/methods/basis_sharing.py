@@ -26,7 +26,7 @@ from pydantic import Field, model_validator
 from torch import nn
 
 from .. import ui
-from ..arch import Arch, discover, get_module, set_module, weight_of
+from ..arch import Arch, discover, get_module, require_unshared, set_module, weight_of
 from ..calibrate import LayerInputs, layerwise, run_layer
 from ..errors import UsageError
 from ..linalg import low_rank, refit_coefficients
@@ -101,6 +101,7 @@ def apply(model: nn.Module, cfg: BasisSharingConfig, ctx) -> dict:
     if not names:
         raise UsageError("basis_sharing: the targets select none of the shared or private projections",
                          "widen targets or name the roles in shared/private")
+    require_unshared(model, names, "basis_sharing")  # stacking one module twice is no sharing
     grams, owner = ctx.grams(model, names)
 
     new: dict[str, LowRankLinear] = {}  # every replacement is built before any is swapped in

@@ -29,7 +29,7 @@ from pydantic import Field, model_validator
 from torch import nn
 
 from .. import ui
-from ..arch import LINEAR_TYPES, discover, match_modules, replace_everywhere, weight_of
+from ..arch import LINEAR_TYPES, discover, distinct, match_modules, replace_everywhere, weight_of
 from ..errors import UsageError
 from ..modules import CompressedLinear, register_module
 from ..packing import (
@@ -382,6 +382,7 @@ def check_layer(name: str, out_features: int, in_features: int, cfg) -> None:
 def target_layers(model: nn.Module, cfg: StageConfig) -> dict[str, nn.Module]:
     """Matched dense linears, refusing an lm_head tied to the input embeddings."""
     layers = match_modules(model, cfg.targets or default_targets(model), cfg.ignore, kind=LINEAR_TYPES)
+    layers = {n: layers[n] for n in distinct(model, list(layers))}  # a module shared by layers: once
     emb = model.get_input_embeddings()
     for name, module in layers.items():
         if emb is not None and module.weight is emb.weight:

@@ -22,7 +22,7 @@ from scipy.optimize import linear_sum_assignment
 from torch import nn
 
 from .. import ui
-from ..arch import Arch, discover, get_module, set_module, weight_of
+from ..arch import Arch, discover, get_module, require_unshared, set_module, weight_of
 from ..errors import UsageError
 from ..model import model_device
 from ..modules import CompressedLinear, register_module
@@ -196,8 +196,8 @@ def apply(model, cfg: SoftShareConfig, ctx) -> dict:
     if cfg.starts is None and cfg.window * cfg.num_windows > n:
         raise UsageError(f"soft_share: no room for {cfg.num_windows} windows of {cfg.window} layers in {n} layers",
                          "use fewer or smaller windows")
-    for i in range(n):
-        ffn_names(arch, i)  # refuses a model without FFN layers before any work
+    # refuses a model without FFN layers, or whose FFNs an earlier stage shares, before any work
+    require_unshared(model, [name for i in range(n) for name in ffn_names(arch, i).values()], "soft_share")
     if cfg.starts is not None:
         check_groups([list(range(s, s + cfg.window)) for s in cfg.starts], n, what="starts")
     batches = ctx.calibration()

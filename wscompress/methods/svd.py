@@ -16,7 +16,7 @@ from pydantic import Field, model_validator
 from torch import nn
 
 from .. import ui
-from ..arch import Arch, Conv1D, discover, get_module, match_modules, set_module, weight_of
+from ..arch import Arch, Conv1D, discover, distinct, get_module, match_modules, replace_everywhere, weight_of
 from ..linalg import low_rank, rank_for_ratio
 from ..modules import CompressedLinear, register_module
 from ..recipe import StageConfig
@@ -110,7 +110,7 @@ def decoder_projections(model: nn.Module, arch: Arch, cfg: StageConfig) -> dict[
 @register(SVDConfig)
 def apply(model: nn.Module, cfg: SVDConfig, ctx) -> dict:
     arch = discover(model)
-    names = list(decoder_projections(model, arch, cfg))
+    names = distinct(model, list(decoder_projections(model, arch, cfg)))  # a module shared by layers: once
     wanted = {n: cfg.rank_for(*reversed(weight_of(get_module(model, n)).shape)) for n in names}  # bad ratio: fail before any change
     grams, owner = ctx.grams(model, names) if cfg.whitening else ({}, {})
     ranks: dict[str, int] = {}
@@ -120,7 +120,7 @@ def apply(model: nn.Module, cfg: SVDConfig, ctx) -> dict:
             module = get_module(model, name)
             w = weight_of(module)
             coeff, basis, how = low_rank(w, wanted[name], grams[owner[name]] if cfg.whitening else None)
-            set_module(model, name, LowRankLinear.replacing(module, coeff, basis))
+            replace_everywhere(model, module, LowRankLinear.replacing(module, coeff, basis))
             ranks[f"{w.shape[0]}x{w.shape[1]}"] = coeff.shape[1]
             if how == "shifted":
                 shifted.append(name)
