@@ -14,7 +14,7 @@ from conftest import WIKI_TEST, WIKI_TRAIN, tiny_model
 from wscompress import data, storage
 from wscompress.arch import discover
 from wscompress.errors import UsageError
-from wscompress.methods.basis_sharing import SharedBasisLinear
+from wscompress.methods.basis_sharing import SharedBasisLinear, relative
 from wscompress.methods.svd import LowRankLinear
 
 CALIB = {"dataset": "pydoc", "num_samples": 8, "seq_len": 64, "batch_size": 4}
@@ -133,7 +133,7 @@ def test_each_layer_gets_least_squares_coefficients_for_its_own_inputs(tokenizer
     ws = [model.get_submodule(n).weight.detach().double() for n in names]
     gs = [grams[owner[n]] for n in names]
     compress(model, tokenizer, group_size=2, ratio=0.5)
-    group_coeff, _, _ = low_rank(torch.cat(ws), layer(model, 0).mlp.up_proj.rank, sum(gs))
+    group_coeff, _, _ = low_rank(torch.cat(ws), layer(model, 0).mlp.up_proj.rank, sum(map(relative, ws, gs)))
     for i, (w, g, svd_coeff) in enumerate(zip(ws, gs, group_coeff.split(ws[0].shape[0]))):
         up = layer(model, i).mlp.up_proj
         b, c = up.basis.weight.double(), up.coeff.weight.double()
@@ -141,6 +141,26 @@ def test_each_layer_gets_least_squares_coefficients_for_its_own_inputs(tokenizer
         assert grad.abs().max() < 1e-4 * (w @ g @ b.T).abs().max()
         error = lambda coeff: torch.trace((w - coeff @ b) @ g @ (w - coeff @ b).T)  # noqa: E731
         assert error(c) < error(svd_coeff)
+
+
+def test_group_basis_does_not_favour_layers_with_larger_activations():
+    """Each layer's statistics are scaled by its output energy before they are summed: a layer
+    whose inputs are 100x larger (deeper layers' are) gets no more say in the shared basis."""
+    from wscompress.linalg import low_rank, refit_coefficients
+
+    gen = torch.Generator().manual_seed(0)
+    ws = [torch.randn(12, 16, generator=gen, dtype=torch.float64) for _ in range(2)]
+    xs = [torch.randn(200, 16, generator=gen, dtype=torch.float64) for _ in range(2)]
+    grams = [x.T @ x for x in xs]
+    basis = low_rank(torch.cat(ws), 6, sum(map(relative, ws, grams)))[1]
+    scaled = low_rank(torch.cat(ws), 6, sum(map(relative, ws, [grams[0], 1e4 * grams[1]])))[1]
+    torch.testing.assert_close(scaled, basis)
+    raw = low_rank(torch.cat(ws), 6, grams[0] + 1e4 * grams[1])[1]  # the plain sum: layer 1 takes over
+
+    def layer0_error(b):
+        d = ws[0] - refit_coefficients(ws[0], b, grams[0]) @ b
+        return torch.trace(d @ grams[0] @ d.T)
+    assert layer0_error(raw) > 1.1 * layer0_error(basis)
 
 
 def test_refit_keeps_bases_and_lowers_the_error(tokenizer):

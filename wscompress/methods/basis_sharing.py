@@ -3,7 +3,8 @@
 
 For every shared projection type (e.g. q) and every group of ``group_size`` consecutive
 layers, the group's weights are stacked along the output dimension, whitened with the
-Cholesky factor of the group's summed input Gram matrices, and factorised by SVD into one
+Cholesky factor of the group's summed input Gram matrices (each divided by its layer's
+output energy tr(W·G·Wᵀ), so all layers of a group count alike), and factorised by SVD into one
 basis (in -> k) that every layer of the group references (the very same module object, so
 memory and the checkpoint hold it once) and per-layer coefficients (k -> out). The SVD's
 coefficients are optimal for the group's summed statistics; each layer's are then re-solved
@@ -67,6 +68,14 @@ def default_roles(arch: Arch) -> tuple[list[str], list[str]]:
     return [r for r in roles if r in shareable], [r for r in roles if r not in shareable]
 
 
+def relative(w: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
+    """``gram`` divided by the layer's output energy ‖W·S‖² = tr(W·G·Wᵀ): summed over a group,
+    every layer then weighs by its relative error, not by the size of its activations (which
+    grows with depth and would let the group's last layers claim the shared basis)."""
+    w = w.double()
+    return gram / torch.trace(w @ gram @ w.T).clamp_min(1e-30)
+
+
 def layer_groups(num_layers: int, group_size: int) -> list[list[int]]:
     """Consecutive groups; when group_size does not divide the depth, the last group holds
     the remaining layers and gets its own (smaller-n) rank budget."""
@@ -117,7 +126,7 @@ def apply(model: nn.Module, cfg: BasisSharingConfig, ctx) -> dict:
                     modules = [get_module(model, n) for n in part]
                     w = torch.cat([weight_of(m) for m in modules])  # (n·out, in): one basis for all
                     d_out, d_in = w.shape[0] // len(part), w.shape[1]
-                    gram = sum(grams[owner[n]].to(w.device) for n in part)
+                    gram = sum(relative(weight_of(m), grams[owner[n]].to(w.device)) for n, m in zip(part, modules))
                     coeff, basis, how = low_rank(w, cfg.rank_for(d_in, d_out, len(part)), gram)
                     if how == "shifted":
                         shifted.append(part[0])
