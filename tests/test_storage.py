@@ -46,6 +46,20 @@ def test_shared_modules_stored_once_and_retied(tmp_path, tokenizer):
     assert tok is not None and json.loads((tmp_path / "m" / storage.MANIFEST).read_text())["format"] == "wscompress"
 
 
+def test_load_skips_the_random_init(tmp_path, tokenizer, monkeypatch):
+    """Every weight comes from the file, so loading must not spend time (minutes for a 7B
+    model) drawing random ones first; the loaded model is still exactly the saved one."""
+    model = share_ffn(tiny_model("llama"))
+    storage.save(model, tokenizer, tmp_path / "m")
+
+    def forbidden(*_args, **_kwargs):
+        raise AssertionError("random init ran during load")
+    for name in ("normal_", "uniform_", "kaiming_uniform_", "zeros_", "ones_"):
+        monkeypatch.setattr(torch.nn.init, name, forbidden)
+    loaded, _ = storage.load(tmp_path / "m")
+    assert torch.equal(logits(model), logits(loaded))
+
+
 def test_untied_model_keeps_both_matrices(tmp_path, tokenizer):
     model = tiny_model("llama_mha")
     storage.save(model, tokenizer, tmp_path / "m")

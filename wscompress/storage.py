@@ -127,6 +127,11 @@ def load(path: str | Path, dtype: torch.dtype | None = None) -> tuple[nn.Module,
     """Rebuild a model written by ``save``: same modules, same sharing, same tensors."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # transformers 4
+        from transformers.modeling_utils import no_init_weights
+
     from . import methods  # noqa: F401  (importing the methods registers their module types)
 
     path = Path(path)
@@ -137,12 +142,13 @@ def load(path: str | Path, dtype: torch.dtype | None = None) -> tuple[nn.Module,
         raise UsageError(f"{path}: corrupt or incomplete compressed checkpoint ({type(err).__name__}: {err})",
                          "re-run `wscompress compress` to write it again") from None
     config = AutoConfig.from_pretrained(path)
-    model = AutoModelForCausalLM.from_config(config)
-    for name, entry in manifest["modules"].items():
-        cls = MODULE_TYPES.get(entry["type"])
-        if cls is None:
-            raise UsageError(f"{path}: unknown module type {entry['type']!r}", "upgrade wscompress to the version that wrote it")
-        set_module(model, name, cls(**entry["spec"]))
+    with no_init_weights():  # every weight comes from the file: a random init first is wasted time (minutes at 7B)
+        model = AutoModelForCausalLM.from_config(config)
+        for name, entry in manifest["modules"].items():
+            cls = MODULE_TYPES.get(entry["type"])
+            if cls is None:
+                raise UsageError(f"{path}: unknown module type {entry['type']!r}", "upgrade wscompress to the version that wrote it")
+            set_module(model, name, cls(**entry["spec"]))
     for alias, canonical in manifest["module_aliases"].items():
         set_module(model, alias, get_module(model, canonical))
     missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
