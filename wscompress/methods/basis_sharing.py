@@ -124,15 +124,15 @@ def apply(model: nn.Module, cfg: BasisSharingConfig, ctx) -> dict:
                     if not part:
                         continue
                     modules = [get_module(model, n) for n in part]
-                    w = torch.cat([weight_of(m) for m in modules])  # (n·out, in): one basis for all
+                    ws = [weight_of(m) for m in modules]
+                    w = torch.cat(ws)  # (n·out, in): one basis for all
                     d_out, d_in = w.shape[0] // len(part), w.shape[1]
-                    gram = sum(relative(weight_of(m), grams[owner[n]].to(w.device)) for n, m in zip(part, modules))
+                    gram = sum(relative(wi, grams[owner[n]].to(w.device)) for n, wi in zip(part, ws))
                     coeff, basis, how = low_rank(w, cfg.rank_for(d_in, d_out, len(part)), gram)
                     if how == "shifted":
                         shifted.append(part[0])
                     if len(part) > 1:  # the basis suits the group; each layer's coefficients can suit it alone
-                        coeff = torch.cat([refit_coefficients(weight_of(m), basis, grams[owner[n]])
-                                           for n, m in zip(part, modules)])
+                        coeff = torch.cat([refit_coefficients(wi, basis, grams[owner[n]]) for n, wi in zip(part, ws)])
                     ranks[f"{role} (n={len(part)})"] = basis.shape[0]
                     if role in shared:
                         lin = nn.Linear(d_in, basis.shape[0], bias=False, device=w.device, dtype=w.dtype)
@@ -157,10 +157,8 @@ def _record(model: nn.Module, names: list[str], layer: nn.Module, inputs: LayerI
     """Run ``layer`` on ``inputs``: (module name -> its input per batch as (tokens, in), in the
     order the modules run; the layer's outputs). Modules fed the same tensor (q/k/v) share memory."""
     seen: dict[str, list[torch.Tensor]] = {}
-
-    def hook(_m, args, _o, name):
-        seen.setdefault(name, []).append(args[0].reshape(-1, args[0].shape[-1]))
-    handles = [get_module(model, n).register_forward_hook(lambda m, a, o, n=n: hook(m, a, o, n)) for n in names]
+    handles = [get_module(model, n).register_forward_hook(
+               lambda _m, a, _o, n=n: seen.setdefault(n, []).append(a[0].reshape(-1, a[0].shape[-1]))) for n in names]
     try:
         return seen, run_layer(layer, inputs)
     finally:
