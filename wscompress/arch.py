@@ -76,19 +76,23 @@ def set_module(root: nn.Module, name: str, module: nn.Module) -> None:
     setattr(get_module(root, parent), leaf, module)
 
 
-def distinct(model: nn.Module, names: list[str]) -> list[str]:
-    """``names`` less those reaching a module an earlier name already reaches (layers an
-    earlier stage, e.g. cross_layer, made share it): each module object once."""
+def first_names(model: nn.Module, names: list[str]) -> dict[str, str]:
+    """name -> the first of ``names`` that reaches the same module object (itself unless an
+    earlier stage, e.g. cross_layer, made several layers share the module)."""
     first: dict[int, str] = {}
-    return [n for n in names if first.setdefault(id(get_module(model, n)), n) == n]
+    return {n: first.setdefault(id(get_module(model, n)), n) for n in names}
+
+
+def distinct(model: nn.Module, names: list[str]) -> list[str]:
+    """``names`` with each module object once (at its first name)."""
+    return [n for n, first in first_names(model, names).items() if n == first]
 
 
 def require_unshared(model: nn.Module, names: list[str], method: str) -> None:
     """Refuse modules shared between layers where a method must treat each layer's own."""
-    first: dict[int, str] = {}
-    for n in names:
-        if (kept := first.setdefault(id(get_module(model, n)), n)) != n:
-            raise UsageError(f"{method}: {n} is the same module as {kept} (an earlier stage, e.g. cross_layer, shares it)",
+    for n, first in first_names(model, names).items():
+        if n != first:
+            raise UsageError(f"{method}: {n} is the same module as {first} (an earlier stage, e.g. cross_layer, shares it)",
                              f"run {method} before the sharing stage, or leave those modules out with ignore:")
 
 

@@ -14,7 +14,7 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from ..arch import discover, get_module, set_module, weight_of
+from ..arch import discover, distinct, get_module, replace_everywhere, weight_of
 from ..errors import UsageError
 from ..recipe import StageConfig
 from . import register
@@ -53,13 +53,10 @@ def apply(model, cfg: GQAConfig, ctx) -> dict:
     for i, roles in enumerate(projections):
         if "k" not in roles or "v" not in roles:
             raise UsageError(f"gqa: layer {i} has no separate k/v projections", "gqa needs k_proj and v_proj modules")
-    pooled: dict[int, nn.Linear] = {}  # by id: projections shared across layers (cross_layer) stay shared
-    for i, roles in enumerate(projections):
-        for role in ("k", "v"):
-            module = get_module(model, roles[role])
-            if id(module) not in pooled:
-                pooled[id(module)] = pool_heads(module, kv, cfg.groups)
-            set_module(model, roles[role], pooled[id(module)])
+    for name in distinct(model, [roles[r] for roles in projections for r in ("k", "v")]):
+        module = get_module(model, name)  # shared across layers (cross_layer): pooled once, stays shared
+        replace_everywhere(model, module, pool_heads(module, kv, cfg.groups))
+    for i in range(arch.num_layers):
         attn = get_module(model, arch.submodule_name(i, "attn"))
         if hasattr(attn, "num_key_value_groups"):  # read by the attention kernel: heads per kv head
             attn.num_key_value_groups = heads // cfg.groups
