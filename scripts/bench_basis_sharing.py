@@ -2,7 +2,8 @@
 
 1. `wscompress calibrate` and `wscompress compress` (Basis Sharing, group 2, 20 %) run as
    subprocesses with configs/basis_sharing.yaml: their reports give the time and peak memory
-   a user sees, and the saved checkpoint's size is checked against its parameter count.
+   a user sees, the saved checkpoint's size is checked against its parameter count, and its
+   load time is measured.
 2. The Gram matrices written by step 1 are reused (ctx.grams reads them) for every method
    and ratio in this process: perplexity on wiki.test.txt, compression time, parameters.
 3. Prefill tokens/s (batch 1 and 8) of the original and of each method at the first ratio.
@@ -118,6 +119,10 @@ def main() -> None:
              {"step": "compress (BS g2, 20 %)", "seconds": comp["stages"][0]["seconds"],
               "peak_memory_mb": comp["peak_memory_mb"], "params": saved["params"], "file_bytes": saved["file_bytes"],
               "params_x4_bytes": saved["params"] * 4}]
+    for when in ("first", "second"):  # the first also pays for imports and a cold file cache
+        start = time.perf_counter()
+        storage.load(out / "model")
+        steps.append({"step": f"wscompress.load of that checkpoint ({when})", "seconds": round(time.perf_counter() - start, 2)})
 
     # 2. every method and ratio in process, reusing the saved Gram matrices
     recipe = load_recipe(CONFIG, [f"output.dir={out}"])
