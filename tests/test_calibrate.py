@@ -54,14 +54,14 @@ def test_modules_fed_the_same_input_share_one_gram():
 
 def test_layers_run_one_after_another():
     """Peak memory is one layer's activations: every batch passes layer i before any reaches
-    layer i + 1, and capturing the inputs never runs a layer past the first."""
+    layer i + 1, and capturing the inputs runs no layer at all."""
     model = tiny_model("llama")
     arch = discover(model)
     order: list[int] = []
     for i, layer in enumerate(arch.layers):
         layer.register_forward_pre_hook(lambda m, a, i=i: order.append(i))
-    inputs = calibrate.capture_inputs(model, arch, batches())
-    assert order == [0, 0, 0] and len(inputs.hidden) == 3
+    hidden, calls = calibrate.capture_inputs(model, arch, batches())
+    assert order == [] and len(hidden) == 3 and [len(c) for c in calls] == [3] * arch.num_layers
     order.clear()
     calibrate.collect_grams(model, batches(), all_projections(model))
     assert order == sorted(order) and set(order) == set(range(arch.num_layers))
@@ -125,3 +125,37 @@ def test_calibration_batches_are_deterministic(tokenizer):
     a = data.calibration_batches(tokenizer, "pydoc", 4, 32, 2, seed=0)
     b = data.calibration_batches(tokenizer, "pydoc", 4, 32, 2, seed=0)
     assert len(a) == 2 and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def _sliding(kind: str):
+    """Tiny models whose layers get different masks or rotary embeddings by layer type."""
+    from transformers import AutoModelForCausalLM
+
+    from conftest import tiny_config
+
+    torch.manual_seed(0)
+    if kind == "gemma3":  # sliding layers with local RoPE, every 6th layer full attention with global RoPE
+        config = tiny_config("gemma3", layers=7)
+        config.sliding_window = 4
+    elif kind == "qwen2":  # the first 2 layers full, the others sliding
+        config = tiny_config("qwen2", layers=4)
+        config.update({"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 2})
+        config.layer_types = ["full_attention" if i < 2 else "sliding_attention" for i in range(4)]
+    else:  # GPT-2 passes its causal mask positionally; eager attention does not infer causality
+        config = tiny_config("gpt2")
+    config._attn_implementation = "eager"
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.mark.parametrize("kind", ["gemma3", "qwen2", "gpt2"])
+def test_layer_inputs_equal_the_full_models_hidden_states(kind):
+    """Each layer is calibrated with its own arguments (mask, rotary embeddings): the inputs
+    that layerwise feeds every layer equal the hidden states of an ordinary forward."""
+    model = _sliding(kind)
+    if kind != "gpt2":
+        assert len(set(model.config.layer_types)) == 2
+    with torch.no_grad():
+        reference = [torch.cat(t) for t in zip(*(model(input_ids=b, output_hidden_states=True).hidden_states
+                                                 for b in batches(seq_len=16)))]
+    for i, _layer, inputs in calibrate.layerwise(model, batches(seq_len=16)):
+        torch.testing.assert_close(torch.cat(inputs.hidden), reference[i], rtol=1e-5, atol=1e-5, msg=f"layer {i}")

@@ -1,8 +1,9 @@
 """Layer-by-layer calibration: run calibration text through one decoder layer at a time.
 
-The inputs of decoder layer 0 are captured once (everything before it runs on the whole
-batch set), then each layer runs alone on the cached hidden states, hooks observe what they
-need (Gram matrices, activations), and the layer's outputs become the next layer's inputs.
+The inputs of decoder layer 0, and the other arguments the model passes each layer (masks,
+rotary embeddings: they may differ by layer), are captured once with every layer replaced by a
+recorder; then each layer runs alone on the cached hidden states, hooks observe what they need
+(Gram matrices, activations), and the layer's outputs become the next layer's inputs.
 Peak memory is one layer plus the calibration activations, never the whole model's.
 """
 
@@ -19,6 +20,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
+from transformers.cache_utils import Cache
 
 from . import ui
 from .arch import Arch, discover, get_module, is_linear, weight_of
@@ -30,28 +32,55 @@ class _Stop(Exception):
     pass
 
 
+Call = tuple[tuple, dict]  # what a decoder layer receives besides its hidden states: (args, kwargs)
+CACHE_KEYS = ("past_key_values", "past_key_value", "layer_past", "use_cache")
+
+
 @dataclass
 class LayerInputs:
-    """Hidden states entering a decoder layer (one tensor a batch) and the keyword arguments
-    the model passes every layer (attention mask, position embeddings, ...)."""
+    """What enters one decoder layer, one entry per calibration batch: the hidden states and
+    the layer's own other arguments (its attention mask and rotary embeddings differ by layer
+    type on Gemma3 or sliding-window Qwen2/Mistral; GPT-2 passes its mask positionally)."""
 
     hidden: list[torch.Tensor]
-    kwargs: list[dict]
+    calls: list[Call]
+
+
+class _Recorder(nn.Module):
+    """Stands in for one decoder layer while the inputs are captured: records the arguments the
+    model passes it and hands the hidden states on unchanged (no layer computes anything).
+    Attribute reads the model makes of its layers (e.g. ``attention_type``) reach the layer."""
+
+    def __init__(self, layer: nn.Module, calls: list[Call], hidden: list[torch.Tensor] | None, last: bool):
+        super().__init__()
+        self.layer, self.calls, self.hidden, self.last = layer, calls, hidden, last
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(super().__getattr__("layer"), name)
+
+    def forward(self, *args, **kwargs) -> torch.Tensor:
+        hidden, args = (args[0], args[1:]) if args else (kwargs.pop("hidden_states"), ())
+        args = tuple(None if isinstance(a, Cache) else a for a in args)  # GPT-2 passes its cache positionally
+        self.calls.append((args, {k: v for k, v in kwargs.items() if k not in CACHE_KEYS}))
+        if self.hidden is not None:
+            self.hidden.append(hidden)
+        if self.last:
+            raise _Stop  # nothing after the layers (final norm, LM head) is needed
+        return hidden
 
 
 @torch.no_grad()
-def capture_inputs(model: nn.Module, arch: Arch, batches: list[torch.Tensor]) -> LayerInputs:
-    """Run the model up to decoder layer 0 for every batch and keep what enters it."""
-    first = arch.layers[0]
-    store = LayerInputs([], [])
-
-    def hook(_module, args, kwargs):
-        hidden = args[0] if args else kwargs.pop("hidden_states")
-        store.hidden.append(hidden)
-        store.kwargs.append({k: v for k, v in kwargs.items() if k not in ("past_key_values", "past_key_value", "use_cache")})
-        raise _Stop
-
-    handle = first.register_forward_pre_hook(hook, with_kwargs=True)
+def capture_inputs(model: nn.Module, arch: Arch, batches: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[list[Call]]]:
+    """The hidden states entering decoder layer 0 (one tensor a batch) and every layer's own
+    other arguments ([layer][batch]), from one pass per batch in which no layer runs."""
+    hidden: list[torch.Tensor] = []
+    calls: list[list[Call]] = [[] for _ in range(arch.num_layers)]
+    layers = list(arch.layers)
+    for i, layer in enumerate(layers):
+        arch.layers[i] = _Recorder(layer, calls[i], hidden if i == 0 else None, last=i == len(layers) - 1)
     device = model_device(model)
     try:
         for batch in batches:
@@ -60,16 +89,17 @@ def capture_inputs(model: nn.Module, arch: Arch, batches: list[torch.Tensor]) ->
             except _Stop:
                 pass
     finally:
-        handle.remove()
-    return store
+        for i, layer in enumerate(layers):
+            arch.layers[i] = layer
+    return hidden, calls
 
 
 @torch.no_grad()
 def run_layer(layer: nn.Module, inputs: LayerInputs) -> list[torch.Tensor]:
     """Outputs of one decoder layer for every cached batch."""
     outs = []
-    for hidden, kwargs in zip(inputs.hidden, inputs.kwargs):
-        out = layer(hidden, **kwargs)
+    for hidden, (args, kwargs) in zip(inputs.hidden, inputs.calls):
+        out = layer(hidden, *args, **kwargs)
         outs.append(out[0] if isinstance(out, tuple) else out)
     return outs
 
@@ -83,11 +113,12 @@ def layerwise(model: nn.Module, batches: list[torch.Tensor], arch: Arch | None =
     so a layer compressed in the loop feeds the compressed activations forward.
     """
     arch = arch or discover(model)
-    inputs = capture_inputs(model, arch, batches)
+    hidden, calls = capture_inputs(model, arch, batches)
     for i in ui.track(range(arch.num_layers), label):
-        layer = arch.layers[i]
+        layer, inputs = arch.layers[i], LayerInputs(hidden, calls[i])
         yield i, layer, inputs
-        inputs = LayerInputs(run_layer(layer, inputs), inputs.kwargs)
+        hidden = run_layer(layer, inputs)
+        calls[i] = []  # layer i's arguments are done with
 
 
 class GramHook:

@@ -18,7 +18,7 @@ from pydantic import Field
 from torch import nn
 
 from .arch import Arch, get_module, set_module
-from .calibrate import layerwise
+from .calibrate import layerwise, run_layer
 from .errors import UsageError
 from .recipe import StageConfig
 
@@ -182,7 +182,6 @@ def sample_inputs(model: nn.Module, arch: Arch, batches: list[torch.Tensor], rol
         if name is None:
             raise UsageError(f"layer {i} has no {role} projection", "this method needs FFN layers (gate/up/down projections)")
         sampler = ActivationSampler({name: get_module(model, name)}, rows_per_batch, seed=i)
-        for hidden, kwargs in zip(inputs.hidden, inputs.kwargs):
-            layer(hidden, **kwargs)
+        run_layer(layer, inputs)
         out[i] = sampler.close()[name]
     return out
