@@ -143,3 +143,15 @@ def test_per_layer_methods_refuse_modules_shared_by_an_earlier_stage(method, tok
     stages = [{"method": "cross_layer", "what": "ffn", "group_size": 2}, {"method": method}]
     with pytest.raises(UsageError, match="same module as model.layers.0.mlp"):
         wscompress.compress(model, stages, tokenizer, CALIB)
+
+
+def test_refit_ridge_pulls_toward_the_prior():
+    torch.manual_seed(0)
+    f64 = {"dtype": torch.float64}
+    x, w, basis = torch.randn(300, 24, **f64), torch.randn(20, 24, **f64), torch.randn(6, 24, **f64)
+    prior = torch.randn(20, 6, **f64)
+    free = refit_coefficients(w, basis, x.T @ x)
+    assert torch.allclose(refit_coefficients(w, basis, x.T @ x, ridge=1e-12, prior=prior), free, atol=1e-6)
+    assert torch.allclose(refit_coefficients(w, basis, x.T @ x, ridge=1e9, prior=prior), prior, atol=1e-6)
+    mid = refit_coefficients(w, basis, x.T @ x, ridge=1.0, prior=prior)
+    assert (mid - prior).norm() < (free - prior).norm()

@@ -82,14 +82,19 @@ def low_rank(w: torch.Tensor, k: int, gram: torch.Tensor | None = None) -> tuple
     return coeff, basis, how
 
 
-def refit_coefficients(w: torch.Tensor, basis: torch.Tensor, gram: torch.Tensor,
-                       cross: torch.Tensor | None = None) -> torch.Tensor:
+def refit_coefficients(w: torch.Tensor, basis: torch.Tensor, gram: torch.Tensor, cross: torch.Tensor | None = None,
+                       ridge: float = 0.0, prior: torch.Tensor | None = None) -> torch.Tensor:
     """Coefficients C of a fixed basis B such that the compressed layer fed X' best reproduces
-    the original layer fed X: argmin ‖X'·Bᵀ·Cᵀ - X·Wᵀ‖_F = W·(XᵀX')·Bᵀ·(B·X'ᵀX'·Bᵀ)⁻¹,
-    given ``gram`` = X'ᵀX' and ``cross`` = XᵀX' (default: X = X'). Float64; a tiny ridge
-    keeps the solve defined when B·X' is rank-deficient."""
+    the original weight W fed X: argmin ‖X'·Bᵀ·Cᵀ - X·Wᵀ‖² + λ‖C - C₀‖², i.e.
+    (W·XᵀX'·Bᵀ + λ·C₀)·(B·X'ᵀX'·Bᵀ + λ·I)⁻¹, given ``gram`` = X'ᵀX' and ``cross`` = XᵀX'
+    (default X = X'). λ = ``ridge`` · tr(B·X'ᵀX'·Bᵀ)/k pulls toward ``prior`` C₀ (default 0);
+    a tiny floor keeps the solve defined when B·X' is rank-deficient. Float64."""
     w, basis, gram = w.double(), basis.double(), gram.to(w.device).double()
     cross = gram if cross is None else cross.to(w.device).double()
     a = basis @ gram @ basis.T
-    a = a + 1e-10 * a.diagonal().mean().clamp_min(1e-12) * torch.eye(a.shape[0], dtype=a.dtype, device=a.device)
-    return torch.linalg.solve(a, (w @ cross @ basis.T).T).T
+    lam = max(ridge, 1e-10) * a.diagonal().mean().clamp_min(1e-12)
+    b = w @ cross @ basis.T
+    if prior is not None:
+        b = b + lam * prior.double()
+    a = a + lam * torch.eye(a.shape[0], dtype=a.dtype, device=a.device)
+    return torch.linalg.solve(a, b.T).T

@@ -13,9 +13,9 @@ layer's output error at no cost in size (on SmolLM2 this is what puts Basis Shar
 SVD-LLM at every ratio, see scripts/bench_basis_sharing.py). The rank
 k = floor((1 - r)·n·d_in·d_out / (d_in + n·d_out)) removes ``ratio`` of the group's
 parameters. Private projections are compressed per layer at the same ratio (SVD-LLM).
-With ``refit: true`` the coefficients are re-solved module by module on the inputs the
-compressed model itself produces (the paper's update step; on SmolLM2 it helps at 50 % and
-hurts at 40 %, so it is off by default).
+With ``refit: true`` every module's coefficients are then re-solved, module by module in
+forward order, so that fed what the compressed model produces it reproduces the original
+module's function on those same inputs (the official update step; see ``compensate``).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from torch import nn
 
 from .. import ui
 from ..arch import Arch, discover, get_module, require_unshared, set_module, weight_of
-from ..calibrate import LayerInputs, layerwise, run_layer
+from ..compensate import swap_and_refit
 from ..errors import UsageError
 from ..linalg import low_rank, refit_coefficients
 from ..modules import register_module
@@ -50,6 +50,8 @@ class BasisSharingConfig(LowRankConfig):
     shared: list[Role] | None = Field(None, description="roles that share bases (default: per architecture)")
     private: list[Role] | None = Field(None, description="roles compressed per layer (default: the other roles)")
     refit: bool = Field(False, description="re-solve coefficients on the compressed model's own activations")
+    ridge: float = Field(1e-3, ge=0, description="refit: ridge toward the unrefit coefficients, relative to the "
+                                                  "mean diagonal of B·G·Bᵀ")
 
     @model_validator(mode="after")
     def _disjoint_roles(self):
@@ -142,7 +144,7 @@ def apply(model: nn.Module, cfg: BasisSharingConfig, ctx) -> dict:
                     for n, m, c in zip(part, modules, coeff.split(d_out)):
                         new[n] = cls.replacing(m, c, basis)
     if cfg.refit:
-        _swap_and_refit(model, arch, new, ctx.calibration())
+        swap_and_refit(model, arch, new, ctx.calibration(), cfg.ridge)
     else:
         for n, module in new.items():
             set_module(model, n, module)
@@ -151,44 +153,3 @@ def apply(model: nn.Module, cfg: BasisSharingConfig, ctx) -> dict:
             "remainder": (f"the last {remainder} layers form their own group with their own rank budget"
                           if remainder else None),
             "shared": shared, "private": private, "ranks": ranks, "refit": cfg.refit, "gram_shifted": shifted}
-
-
-def _record(model: nn.Module, names: list[str], layer: nn.Module, inputs: LayerInputs) -> tuple[dict, list]:
-    """Run ``layer`` on ``inputs``: (module name -> its input per batch as (tokens, in), in the
-    order the modules run; the layer's outputs). Modules fed the same tensor (q/k/v) share memory."""
-    seen: dict[str, list[torch.Tensor]] = {}
-    handles = [get_module(model, n).register_forward_hook(
-               lambda _m, a, _o, n=n: seen.setdefault(n, []).append(a[0].reshape(-1, a[0].shape[-1]))) for n in names]
-    try:
-        return seen, run_layer(layer, inputs)
-    finally:
-        for h in handles:
-            h.remove()
-
-
-@torch.no_grad()
-def _swap_and_refit(model: nn.Module, arch: Arch, new: dict[str, LowRankLinear], batches: list[torch.Tensor]) -> None:
-    """Swap the replacements in layer by layer, re-solving every coefficient matrix (bases stay
-    fixed) so that each module, fed what the compressed model produces, reproduces what the
-    original module outputs on the original inputs (SVD-LLM's update step): errors of earlier
-    modules are compensated instead of compounded. Within a layer the modules are refit in the
-    order they run (q/k/v, o, gate/up, down), each on inputs that already reflect the refits
-    before it. Runs the original model alongside."""
-    original: LayerInputs | None = None  # what enters layer i in the uncompressed model
-    for i, layer, inputs in layerwise(model, batches, arch, label="basis sharing refit"):
-        original = original or inputs
-        xs, outputs = _record(model, [n for n in new if n.startswith(arch.layer_name(i) + ".")], layer, original)
-        weights = {n: weight_of(get_module(model, n)) for n in xs}
-        for n in xs:
-            set_module(model, n, new[n])
-        pending = list(xs)  # forward order
-        while pending:  # refit the modules fed by the first pending input, then re-run the layer
-            xcs, _ = _record(model, pending, layer, inputs)
-            first = xcs[pending[0]][0].data_ptr()
-            group = [n for n in pending if xcs[n][0].data_ptr() == first]
-            gram = sum(xc.double().T @ xc.double() for xc in xcs[group[0]])
-            cross = sum(x.double().T @ xc.double() for x, xc in zip(xs[group[0]], xcs[group[0]]))
-            for n in group:
-                new[n].coeff.weight.copy_(refit_coefficients(weights[n], new[n].basis.weight, gram, cross))
-            pending = [n for n in pending if n not in group]
-        original = LayerInputs(outputs, original.kwargs)

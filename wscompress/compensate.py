@@ -1,0 +1,88 @@
+"""Error compensation for low-rank stages: once a layer's modules are factorised, re-solve each
+module's coefficients (its basis stays fixed) on the inputs the compressed model itself feeds
+it, so the errors of earlier modules are absorbed instead of compounded (SVD-LLM's update step,
+which the Basis Sharing code applies from 40 %).
+
+For a module with original weight W, basis B, coefficients C₀ and inputs X' in the compressed
+model, with G = X'ᵀX' (float64):
+
+    C = argmin ‖X'·Bᵀ·Cᵀ − X'·Wᵀ‖² + λ‖C − C₀‖² = (W·G·Bᵀ + λ·C₀)·(B·G·Bᵀ + λ·I)⁻¹
+
+the original module's function on the compressed model's activations, with a ridge that pulls
+toward the coefficients it had (λ = ridge · tr(B·G·Bᵀ) / k; ridge → ∞ keeps C₀). Layers go in
+order and, inside a layer, modules in forward order (q/k/v, o, gate/up, down), each fitted on
+inputs that already reflect the refits before it. One layer's activations and one Gram matrix
+are held at a time.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+
+import torch
+from torch import nn
+
+from .arch import Arch, get_module, replace_everywhere, weight_of
+from .calibrate import layerwise, run_layer
+from .linalg import refit_coefficients
+
+
+class FirstInput:
+    """While a layer runs over the calibration batches: which of ``modules`` read the first
+    input any of them reads (in forward order), and that input's Gram matrix X'ᵀX' (float64)."""
+
+    def __init__(self, layer: nn.Module, modules: dict[str, nn.Module]):
+        self.names: list[str] = []
+        self.gram: torch.Tensor | None = None
+        self._x: torch.Tensor | None = None  # held, so no later tensor can reuse its address
+        self._batches = 0
+        self._stack = ExitStack()
+        self._stack.callback(layer.register_forward_pre_hook(self._new_batch).remove)
+        for name, module in modules.items():
+            self._stack.callback(module.register_forward_hook(self._hook(name)).remove)
+
+    def _new_batch(self, *_args) -> None:
+        self._x = None
+        self._batches += 1
+
+    def _hook(self, name: str):
+        def hook(_module, args, _out):
+            x = args[0]
+            if self._x is None:
+                self._x = x
+            if x.data_ptr() != self._x.data_ptr():
+                return
+            if self._batches == 1:
+                self.names.append(name)
+            if name == self.names[0]:
+                flat = x.reshape(-1, x.shape[-1]).double()
+                g = flat.T @ flat
+                self.gram = g if self.gram is None else self.gram + g
+        return hook
+
+    def close(self) -> None:
+        self._stack.close()
+        self._x = None
+
+
+@torch.no_grad()
+def swap_and_refit(model: nn.Module, arch: Arch, new: dict[str, nn.Module], batches: list[torch.Tensor],
+                   ridge: float) -> None:
+    """Swap the low-rank replacements ``new`` (module name -> module with ``basis``/``coeff``)
+    into ``model`` layer by layer, refitting each one's coefficients (see the module docstring).
+    A module that several layers share is fitted where it is first used."""
+    for i, layer, inputs in layerwise(model, batches, arch, label="refit (error compensation)"):
+        mine = [n for n in new if n.startswith(arch.layer_name(i) + ".")]
+        weights = {n: weight_of(get_module(model, n)).detach() for n in mine}
+        for n in mine:
+            replace_everywhere(model, get_module(model, n), new[n])
+        pending = {n: new[n] for n in mine}
+        while pending:
+            first = FirstInput(layer, pending)
+            try:
+                run_layer(layer, inputs)
+            finally:
+                first.close()
+            for n in first.names:
+                c0 = pending.pop(n).coeff.weight
+                c0.copy_(refit_coefficients(weights[n], new[n].basis.weight, first.gram, ridge=ridge, prior=c0))
