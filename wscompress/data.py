@@ -8,8 +8,10 @@ docs, always available). Sources may name a split: ``wikitext2:train``.
 from __future__ import annotations
 
 import json
+import random
 from functools import lru_cache
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -71,47 +73,91 @@ def load_text(source: str) -> str:
     return path.read_text()
 
 
-def tokenize(tokenizer, source: str, max_tokens: int | None = None) -> torch.Tensor:
-    """Token ids (1-D LongTensor) of a whole source; ``max_tokens`` stops early on huge corpora."""
+Bos = Literal["auto", "window", "stream", "none"]
+Sampling = Literal["uniform", "gptq"]
+
+
+def adds_bos(tokenizer) -> bool:
+    """Whether the tokenizer starts every encoded text with its BOS token (Gemma, LLaMA-2,
+    Mistral do; GPT-2, Qwen2 and SmolLM2 do not)."""
+    bos = tokenizer.bos_token_id
+    return bos is not None and tokenizer("a").input_ids[:1] == [bos]
+
+
+def resolve_bos(tokenizer, bos: Bos) -> str:
+    """The BOS placement a run uses: ``window`` (a BOS opens every evaluation window, calibration
+    sample and training sequence), ``stream`` (one BOS opens the whole text: the LLaMA papers'
+    WikiText-2 protocol) or ``none``. ``auto`` is ``window`` when the tokenizer adds a BOS."""
+    if bos == "auto":
+        return "window" if adds_bos(tokenizer) else "none"
+    if bos != "none" and tokenizer.bos_token_id is None:
+        raise UsageError(f"bos: {bos} but the tokenizer has no BOS token", "set bos: none (or auto)")
+    return bos
+
+
+def tokenize(tokenizer, source: str, max_tokens: int | None = None, bos: str = "none") -> torch.Tensor:
+    """Token ids (1-D LongTensor) of a whole source, opened by one BOS when ``bos`` is
+    ``stream``; ``max_tokens`` stops early on huge corpora."""
     text = load_text(source)
     if max_tokens is not None:
         text = text[: max_tokens * 12]  # ~4 chars a token: plenty of margin, avoids tokenizing GBs
     ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids[0]
+    if bos == "stream":
+        ids = torch.cat([torch.tensor([tokenizer.bos_token_id]), ids])
     return ids if max_tokens is None else ids[:max_tokens]
 
 
-def windows(ids: torch.Tensor, length: int, stride: int | None = None, limit: int | None = None) -> list[tuple[int, int, int]]:
-    """(begin, end, first scored position) of each evaluation window.
+def windows(ids: torch.Tensor, length: int, stride: int | None = None, limit: int | None = None,
+            bos: bool = False) -> list[tuple[int, int, int]]:
+    """(begin, end, first scored position) of each evaluation window over ``ids``.
 
     Non-overlapping windows when ``stride`` is None or equal to ``length`` (each scores its
     tokens 1..L-1); with a smaller stride each window re-reads context but scores only the
-    tokens no earlier window scored.
+    tokens no earlier window scored. With ``bos`` every window is opened by a BOS that is not
+    part of ``ids``: it spans L - 1 tokens of text and scores them all from the first.
     """
-    stride = stride or length
+    span = length - bos
+    stride = min(stride or span, span)
     n = ids.numel()
     out, prev_end = [], 0
-    for begin in range(0, max(n - 1, 1), stride):
-        end = min(begin + length, n)
-        if end - begin < 2:
+    for begin in range(0, max(n - 1 + bos, 1), stride):
+        end = min(begin + span, n)
+        if end - begin < 2 - bos:
             break
-        out.append((begin, end, max(prev_end - begin, 1)))  # token 0 of a window has no context
+        out.append((begin, end, max(prev_end - begin, 1 - bos)))  # without a BOS, token 0 has no context
         prev_end = end
         if end == n or (limit is not None and len(out) >= limit):
             break
     return out
 
 
-def sample_batches(ids: torch.Tensor, num_samples: int, seq_len: int, batch_size: int, seed: int) -> list[torch.Tensor]:
-    """Random ``seq_len`` windows of a token stream, grouped into batches (calibration sampling)."""
-    if ids.numel() <= seq_len:
+def sample_batches(ids: torch.Tensor, num_samples: int, seq_len: int, batch_size: int, seed: int,
+                   sampling: Sampling = "uniform", bos_id: int | None = None) -> list[torch.Tensor]:
+    """``seq_len``-token windows of a token stream at random places, grouped into batches.
+
+    ``uniform`` draws the starts with a torch generator; ``gptq`` is the sampler of the GPTQ,
+    SVD-LLM and Basis Sharing scripts (``random.seed(seed)``, then ``random.randint(0, N -
+    seq_len - 1)`` per sample), so their calibration sets can be reproduced exactly. With
+    ``bos_id`` every sample is that token followed by ``seq_len - 1`` tokens of text.
+    """
+    span = seq_len - (bos_id is not None)
+    if ids.numel() <= span:
         raise UsageError(f"calibration text has {ids.numel()} tokens, fewer than seq_len={seq_len}",
                          "use a longer text or a smaller calibration.seq_len")
-    gen = torch.Generator().manual_seed(seed)
-    starts = torch.randint(0, ids.numel() - seq_len, (num_samples,), generator=gen)
-    rows = torch.stack([ids[s: s + seq_len] for s in starts.tolist()])
+    if sampling == "gptq":
+        rng = random.Random(seed)
+        starts = [rng.randint(0, ids.numel() - span - 1) for _ in range(num_samples)]
+    else:
+        starts = torch.randint(0, ids.numel() - span, (num_samples,), generator=torch.Generator().manual_seed(seed)).tolist()
+    rows = torch.stack([ids[s: s + span] for s in starts])
+    if bos_id is not None:
+        rows = torch.cat([torch.full((num_samples, 1), bos_id, dtype=rows.dtype), rows], 1)
     return list(rows.split(batch_size))
 
 
-def calibration_batches(tokenizer, source: str, num_samples: int, seq_len: int, batch_size: int, seed: int) -> list[torch.Tensor]:
-    ids = tokenize(tokenizer, source, max_tokens=max(num_samples * seq_len * 20, 200_000))
-    return sample_batches(ids, num_samples, seq_len, batch_size, seed)
+def calibration_batches(tokenizer, source: str, num_samples: int, seq_len: int, batch_size: int, seed: int,
+                        bos: Bos = "none", sampling: Sampling = "uniform") -> list[torch.Tensor]:
+    mode = resolve_bos(tokenizer, bos)
+    ids = tokenize(tokenizer, source, max_tokens=max(num_samples * seq_len * 20, 200_000), bos=mode)
+    return sample_batches(ids, num_samples, seq_len, batch_size, seed, sampling,
+                          tokenizer.bos_token_id if mode == "window" else None)

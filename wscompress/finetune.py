@@ -29,7 +29,7 @@ from torch import nn
 from . import data, ui
 from .arch import match_modules
 from .errors import UsageError
-from .evaluate.perplexity import perplexity
+from .evaluate.perplexity import evaluate_text
 from .model import model_device
 from .modules import CompressedLinear
 from .recipe import FinetuneConfig, Recipe
@@ -37,7 +37,7 @@ from .recipe import FinetuneConfig, Recipe
 CKPT = "finetune-checkpoint"
 # what must match for a checkpoint to continue the same run
 RESUME_KEYS = ("mode", "dataset", "seq_len", "batch_size", "grad_accum", "steps", "lr", "weight_decay", "schedule",
-               "warmup_steps", "penalty", "lora_rank", "lora_alpha", "lora_targets", "dkm", "seed")
+               "warmup_steps", "penalty", "lora_rank", "lora_alpha", "lora_targets", "dkm", "bos", "seed")
 
 
 def method_parameters(model: nn.Module) -> list[nn.Parameter]:
@@ -197,15 +197,18 @@ def finetune(model: nn.Module, tokenizer, recipe: Recipe, resume: bool = False,
             ui.log(f"resumed from {ckpt} at step {first}")
         else:
             ui.log(f"[yellow]no checkpoint at {ckpt}; starting from step 0[/]")
-    train_ids = data.tokenize(tokenizer, cfg.dataset, max_tokens=max(cfg.steps * cfg.grad_accum * cfg.batch_size * cfg.seq_len, 200_000))
+    bos = data.resolve_bos(tokenizer, cfg.bos)
+    bos_id = tokenizer.bos_token_id if bos == "window" else None
+    train_ids = data.tokenize(tokenizer, cfg.dataset, bos=bos,
+                              max_tokens=max(cfg.steps * cfg.grad_accum * cfg.batch_size * cfg.seq_len, 200_000))
     eval_source = recipe.eval.perplexity[0] if recipe.eval.perplexity else None
-    eval_ids = None if eval_source is None else data.tokenize(tokenizer, eval_source, max_tokens=cfg.eval_windows * cfg.seq_len + 1)
 
     def evaluate() -> float | None:
-        if eval_ids is None:
+        if eval_source is None:
             return None
         model.eval()
-        ppl = perplexity(model, eval_ids, cfg.seq_len, max_windows=cfg.eval_windows, label="finetune eval")["ppl"]
+        ppl = evaluate_text(model, tokenizer, eval_source, cfg.seq_len, max_windows=cfg.eval_windows, bos=recipe.eval.bos,
+                            label="finetune eval")["ppl"]
         model.train()
         return ppl
 
@@ -215,7 +218,8 @@ def finetune(model: nn.Module, tokenizer, recipe: Recipe, resume: bool = False,
     for step in ui.track(range(first, cfg.steps), "finetune steps", total=cfg.steps - first):
         total = 0.0
         for micro in range(cfg.grad_accum):
-            (x,) = data.sample_batches(train_ids, cfg.batch_size, cfg.seq_len, cfg.batch_size, seed=cfg.seed * 1_000_003 + step * cfg.grad_accum + micro)
+            (x,) = data.sample_batches(train_ids, cfg.batch_size, cfg.seq_len, cfg.batch_size,
+                                       seed=cfg.seed * 1_000_003 + step * cfg.grad_accum + micro, bos_id=bos_id)
             x = x.to(device)
             with autocast:
                 loss = model(input_ids=x, labels=x, use_cache=False).loss
@@ -246,5 +250,5 @@ def finetune(model: nn.Module, tokenizer, recipe: Recipe, resume: bool = False,
     for p in model.parameters():
         p.requires_grad_(False)
     result = finalize()
-    return model, {"mode": cfg.mode, "steps": cfg.steps, "trainable_params": trainable, "final_loss": history[-1]["loss"] if history else None,
+    return model, {"mode": cfg.mode, "steps": cfg.steps, "bos": bos, "trainable_params": trainable, "final_loss": history[-1]["loss"] if history else None,
                    "final_ppl": final_ppl, "seconds": round(time.perf_counter() - start, 2), "history": history, **result}

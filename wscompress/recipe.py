@@ -36,12 +36,19 @@ class ModelConfig(Strict):
     trust_remote_code: bool = False
 
 
+BOS_HELP = ("auto: a BOS opens every window/sample when the tokenizer adds one; window: always; "
+            "stream: one BOS opens the whole text (the LLaMA papers' WikiText-2 protocol); none")
+
+
 class CalibrationConfig(Strict):
     dataset: str = Field("../shared/data/wiki.train.txt", description="file path or wikitext2/ptb/c4/pydoc")
     num_samples: int = Field(32, gt=0)
     seq_len: int = Field(512, gt=1)
     batch_size: int = Field(4, gt=0)
     seed: int = 0
+    sampling: Literal["uniform", "gptq"] = Field("uniform", description="uniform (torch generator) or gptq (the "
+                                                 "GPTQ/SVD-LLM scripts' random.randint sampler, reproducible across tools)")
+    bos: Literal["auto", "window", "stream", "none"] = Field("auto", description=BOS_HELP)
 
 
 class StageConfig(Strict):
@@ -73,6 +80,7 @@ class FinetuneConfig(Strict):
     lora_targets: list[str] = Field(default_factory=lambda: ["q_proj", "v_proj"])
     penalty: float = Field(0.0, ge=0, description="Frobenius penalty on low-rank deltas (soft_share)")
     dkm: dict[str, Any] = Field(default_factory=dict, description="options of the dkm mode")
+    bos: Literal["auto", "window", "stream", "none"] = Field("auto", description=BOS_HELP)
     seed: int = 0
 
 
@@ -82,6 +90,7 @@ class EvalConfig(Strict):
     stride: int | None = Field(None, gt=0, description="window step; < context_length scores only the new tokens")
     batch_size: int = Field(4, gt=0)
     max_windows: int | None = Field(None, gt=0, description="evaluate only the first N windows")
+    bos: Literal["auto", "window", "stream", "none"] = Field("auto", description=BOS_HELP)
     tasks: list[str] = Field(default_factory=list, description="lm-eval task names or local task YAML files")
     task_data: dict[str, str] = Field(default_factory=dict, description="local task name -> its data file (overrides the YAML's)")
     limit: int | None = Field(None, gt=0, description="lm-eval: examples per task")

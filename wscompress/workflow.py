@@ -34,13 +34,23 @@ class Context:
             if self.tokenizer is None:
                 raise UsageError("this method needs calibration data but no tokenizer was given",
                                  "pass tokenizer= to wscompress.compress or load the model with its tokenizer")
-            self._batches = data.calibration_batches(self.tokenizer, c.dataset, c.num_samples, c.seq_len, c.batch_size, c.seed)
+            self._batches = data.calibration_batches(self.tokenizer, c.dataset, c.num_samples, c.seq_len, c.batch_size,
+                                                     c.seed, c.bos, c.sampling)
         return self._batches
+
+    def describe(self) -> dict | None:
+        """The calibration data as used (for reports), or None when no stage asked for it."""
+        if self._batches is None:
+            return None
+        c = self.recipe.calibration
+        return {"dataset": c.dataset, "num_samples": c.num_samples, "seq_len": c.seq_len, "sampling": c.sampling,
+                "bos": data.resolve_bos(self.tokenizer, c.bos)}
 
     def stats_meta(self, model: nn.Module) -> dict:
         c = self.recipe.calibration
         return {"model": calibrate.fingerprint(model), "dataset": c.dataset, "num_samples": c.num_samples,
-                "seq_len": c.seq_len, "seed": c.seed}
+                "seq_len": c.seq_len, "seed": c.seed, "sampling": c.sampling,
+                "bos": data.resolve_bos(self.tokenizer, c.bos) if self.tokenizer is not None else c.bos}
 
     def grams(self, model: nn.Module, names: list[str]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         """Input Gram matrices of the named linears: from ``<output>/calibration.safetensors``
@@ -75,7 +85,8 @@ def apply_stages(model: nn.Module, tokenizer, recipe: Recipe) -> list[dict]:
         result = METHODS[stage.method].apply(model, stage, ctx) or {}
         ctx.stages_done += 1
         rows.append({"stage": i, "method": stage.method, "params_before": before,
-                     "params_after": storage.stats(model)["params"], "seconds": round(time.perf_counter() - start, 2), **result})
+                     "params_after": storage.stats(model)["params"], "seconds": round(time.perf_counter() - start, 2),
+                     "calibration": ctx.describe(), **result})
         ui.log(f"stage {i} {stage.method}: {rows[-1]['params_before']:,} -> {rows[-1]['params_after']:,} parameters")
     return rows
 
@@ -100,7 +111,7 @@ def step_calibrate(recipe: Recipe) -> dict:
     start = time.perf_counter()
     grams, owner = calibrate.collect_grams(model, ctx.calibration(), names)
     calibrate.save_grams(stats_path(recipe), grams, owner, ctx.stats_meta(model))
-    out = {"file": str(stats_path(recipe)), "modules": len(owner), "gram_matrices": len(grams),
+    out = {"file": str(stats_path(recipe)), "calibration": ctx.describe(), "modules": len(owner), "gram_matrices": len(grams),
            "tokens": sum(b.numel() for b in ctx.calibration()), "seconds": round(time.perf_counter() - start, 2),
            "peak_memory_mb": round(peak_memory_mb(), 1)}
     report.write(recipe.out, "calibrate", out, recipe_dict(recipe))
@@ -144,12 +155,13 @@ def evaluate(model: nn.Module, tokenizer, recipe: Recipe) -> dict:
     e = recipe.eval
     from .evaluate.perplexity import evaluate_sources
 
-    out = {"perplexity": evaluate_sources(model, tokenizer, e.perplexity, e.context_length, e.stride, e.batch_size, e.max_windows),
+    out = {"perplexity": evaluate_sources(model, tokenizer, e.perplexity, e.context_length, e.stride, e.batch_size,
+                                          e.max_windows, e.bos),
            **storage.stats(model)}
     if e.tasks:
         from .evaluate.lmeval import run_tasks
 
-        out["tasks"] = run_tasks(model, tokenizer, e.tasks, e.limit, e.batch_size, e.task_data, recipe.seed)
+        out["tasks"] = run_tasks(model, tokenizer, e.tasks, e.limit, e.batch_size, e.task_data, recipe.seed, e.bos)
     if e.prompts:
         from .evaluate.samples import generate_samples
 
@@ -166,7 +178,7 @@ def step_eval(recipe: Recipe, path: str | None = None) -> dict:
         model, tokenizer = load_model(mcfg)
         results[label] = evaluate(model, tokenizer, recipe)
         del model
-    rows = [{"model": label, "source": src, **{k: r["perplexity"][src][k] for k in ("ppl", "tokens", "tokens_per_s")},
+    rows = [{"model": label, "source": src, **{k: r["perplexity"][src][k] for k in ("ppl", "tokens", "bos", "tokens_per_s")},
              "params": r["params"]} for label, r in results.items() for src in r["perplexity"]]
     out = {"results": rows, "details": results}
     tasks = [{"model": label, "task": task, **metrics} for label, r in results.items() for task, metrics in r.get("tasks", {}).items()]

@@ -103,8 +103,10 @@ def _metrics(values: dict) -> dict:
 
 
 def run_tasks(model: nn.Module, tokenizer, tasks: list[str], limit: int | None = None, batch_size: int = 4,
-              task_data: dict[str, str] | None = None, seed: int = 0) -> dict[str, dict]:
-    """Evaluate ``model`` on lm-eval tasks; returns task -> metrics (acc, acc_stderr, ...)."""
+              task_data: dict[str, str] | None = None, seed: int = 0, bos: str = "auto") -> dict[str, dict]:
+    """Evaluate ``model`` on lm-eval tasks; returns task -> metrics (acc, acc_stderr, ...).
+    ``bos`` as in ``eval.bos``: ``auto`` leaves it to the tokenizer, ``none`` never adds one,
+    ``window``/``stream`` open every request with it."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
@@ -113,7 +115,8 @@ def run_tasks(model: nn.Module, tokenizer, tasks: list[str], limit: int | None =
     specs, folders = task_specs(tasks, task_data or {})
     # indexing lm-eval's thousands of task files takes seconds: only when a task is named
     manager = TaskManager(include_path=[str(f) for f in folders], include_defaults=any(isinstance(s, str) for s in specs))
-    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
+    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size,
+              add_bos_token=None if bos == "auto" else bos != "none")
     try:
         results = simple_evaluate(model=lm, tasks=specs, limit=limit, task_manager=manager, log_samples=False,
                                   random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
