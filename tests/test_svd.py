@@ -137,6 +137,29 @@ def test_svd_after_cross_layer_keeps_the_layers_shared(tmp_path, tokenizer):
     torch.testing.assert_close(logits(loaded), before)
 
 
+def test_shared_module_is_whitened_on_all_its_uses(tokenizer):
+    """After cross_layer, the shared up_proj of layers 0 and 1 is whitened on the Gram matrix
+    of both layers' inputs to it, not only the first layer's."""
+    from wscompress import data
+
+    model = tiny_model("llama")
+    wscompress.compress(model, [{"method": "cross_layer", "what": "ffn", "group_size": 2}], tokenizer, CALIB)
+    shared = model.model.layers[0].mlp.up_proj
+    inputs = []
+    hook = shared.register_forward_hook(lambda _m, a, _o: inputs.append(a[0].reshape(-1, a[0].shape[-1]).double()))
+    with torch.no_grad():
+        for batch in data.calibration_batches(tokenizer, "pydoc", 8, 64, 4, seed=0):
+            model(input_ids=batch)
+    hook.remove()
+    assert len(inputs) == 2 * 2  # two batches, two layers each
+    x = torch.cat(inputs)
+    w = shared.weight.detach().clone()
+    wscompress.compress(model, [{"method": "svd", "ratio": 0.5, "targets": ["layers\\.[01]\\.mlp\\.up"]}], tokenizer, CALIB)
+    lowrank = model.model.layers[1].mlp.up_proj
+    coeff, basis, _ = low_rank(w, lowrank.rank, x.T @ x)
+    torch.testing.assert_close(lowrank.dense_weight().double(), coeff @ basis, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("method", ["basis_sharing", "soft_share"])
 def test_per_layer_methods_refuse_modules_shared_by_an_earlier_stage(method, tokenizer):
     model = tiny_model("llama")

@@ -16,7 +16,7 @@ from pydantic import Field, model_validator
 from torch import nn
 
 from .. import ui
-from ..arch import Arch, Conv1D, discover, distinct, get_module, match_modules, replace_everywhere, weight_of
+from ..arch import Arch, Conv1D, discover, distinct, first_names, get_module, match_modules, replace_everywhere, weight_of
 from ..linalg import low_rank, rank_for_ratio
 from ..modules import CompressedLinear, register_module
 from ..recipe import StageConfig
@@ -107,19 +107,33 @@ def decoder_projections(model: nn.Module, arch: Arch, cfg: StageConfig) -> dict[
     return {n: v for n, v in found.items() if n in chosen}
 
 
+def shared_grams(model: nn.Module, names: list[str], grams: dict[str, torch.Tensor], owner: dict[str, str]) -> dict[str, torch.Tensor]:
+    """First name -> the Gram matrix of every use of that module: the sum over all the names
+    that reach it (a module an earlier stage, e.g. cross_layer, shares between layers is fed
+    by each of them)."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[tuple[str, str]] = set()
+    for name, first in first_names(model, names).items():
+        if (first, owner[name]) not in seen:  # q/k/v of one layer read one Gram: count it once
+            seen.add((first, owner[name]))
+            out[first] = out[first] + grams[owner[name]] if first in out else grams[owner[name]]
+    return out
+
+
 @register(SVDConfig)
 def apply(model: nn.Module, cfg: SVDConfig, ctx) -> dict:
     arch = discover(model)
-    names = distinct(model, list(decoder_projections(model, arch, cfg)))  # a module shared by layers: once
+    every = list(decoder_projections(model, arch, cfg))
+    names = distinct(model, every)  # a module shared by layers: factorised once
     wanted = {n: cfg.rank_for(*reversed(weight_of(get_module(model, n)).shape)) for n in names}  # bad ratio: fail before any change
-    grams, owner = ctx.grams(model, names) if cfg.whitening else ({}, {})
+    grams = shared_grams(model, every, *ctx.grams(model, every)) if cfg.whitening else {}
     ranks: dict[str, int] = {}
     shifted = []
     with torch.no_grad():
         for name in ui.track(names, "svd layers"):
             module = get_module(model, name)
             w = weight_of(module)
-            coeff, basis, how = low_rank(w, wanted[name], grams[owner[name]] if cfg.whitening else None)
+            coeff, basis, how = low_rank(w, wanted[name], grams.get(name))
             replace_everywhere(model, module, LowRankLinear.replacing(module, coeff, basis))
             ranks[f"{w.shape[0]}x{w.shape[1]}"] = coeff.shape[1]
             if how == "shifted":
