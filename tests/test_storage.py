@@ -115,3 +115,42 @@ def test_round_trip_other_families(tmp_path, tokenizer, kind):
     storage.save(model, tokenizer, tmp_path / kind)
     loaded, _ = storage.load(tmp_path / kind)
     assert torch.equal(logits(model), logits(loaded))
+
+
+GPT2_STAGES = {
+    "svd": [{"method": "svd", "ratio": 0.3}],
+    "basis_sharing": [{"method": "basis_sharing", "ratio": 0.3}],
+    "kmeans": [{"method": "kmeans", "bits": 3}],
+    "kmeans_vector": [{"method": "kmeans", "bits": 4, "cluster_dim": 2, "granularity": "per_tensor"}],
+    "soft_share": [{"method": "soft_share", "window": 2, "rank": 4, "starts": [1]}],
+    "cross_layer": [{"method": "cross_layer", "what": "block", "group_size": 2}],
+    "merge": [{"method": "merge", "n": 2}],
+    "merge_drop": [{"method": "merge_drop", "n": 2}],
+    "factorize_embeddings": [{"method": "factorize_embeddings", "rank": 16}],
+    "dkm": [],  # trained by finetune mode dkm, below
+}
+
+
+@pytest.mark.parametrize("method", sorted(GPT2_STAGES))
+def test_gpt2_export_after_every_method_loads_in_stock_transformers(method, tmp_path, tokenizer):
+    """GPT-2 stores its weights (in, out) in Conv1D: every compressed layer's dense export
+    writes that layout back, so stock from_pretrained loads it and computes the same logits."""
+    from transformers import AutoModelForCausalLM
+
+    import wscompress
+    from wscompress.finetune import finetune
+    from wscompress.recipe import load_recipe
+
+    model = tiny_model("gpt2")
+    wscompress.compress(model, GPT2_STAGES[method], tokenizer,
+                        {"dataset": "pydoc", "num_samples": 8, "seq_len": 64, "batch_size": 4})
+    if method == "dkm":
+        recipe = load_recipe(data={"output": {"dir": str(tmp_path / "run")}, "eval": {"perplexity": []},
+                                   "finetune": {"mode": "dkm", "steps": 2, "seq_len": 32, "batch_size": 2,
+                                                "dataset": "pydoc", "dkm": {"bits": 3}}})
+        model, _ = finetune(model, tokenizer, recipe)
+    storage.save(model, tokenizer, tmp_path / "m")
+    loaded, _ = storage.load(tmp_path / "m")
+    storage.export_dense(loaded, tokenizer, tmp_path / "dense")
+    stock = AutoModelForCausalLM.from_pretrained(tmp_path / "dense").eval()
+    torch.testing.assert_close(logits(stock), logits(model), atol=1e-4, rtol=1e-4)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .arch import Conv1D
+
 MODULE_TYPES: dict[str, type[nn.Module]] = {}
 
 
@@ -20,10 +22,14 @@ def register_module(cls: type[nn.Module]) -> type[nn.Module]:
 
 
 class CompressedLinear(nn.Module):
-    """y = x W^T + b with W stored compressed. Subclasses implement dense_weight and spec."""
+    """y = x W^T + b with W stored compressed. Subclasses implement dense_weight and spec.
+
+    ``conv1d`` records that the layer replaced a GPT-2 ``Conv1D`` (weight stored (in, out)), so
+    ``to_dense`` gives one back: stock GPT-2 checkpoints expect that layout."""
 
     in_features: int
     out_features: int
+    conv1d: bool = False
 
     def dense_weight(self) -> torch.Tensor:
         """The weight as an (out_features, in_features) tensor."""
@@ -33,15 +39,22 @@ class CompressedLinear(nn.Module):
         """Constructor keyword arguments that rebuild this module's structure (not its values)."""
         raise NotImplementedError
 
-    def to_dense(self) -> nn.Linear:
+    def to_dense(self) -> nn.Module:
+        """An nn.Linear (or Conv1D, see ``conv1d``) computing the same function."""
         w = self.dense_weight().detach()
         bias = getattr(self, "bias", None)
-        lin = nn.Linear(self.in_features, self.out_features, bias=bias is not None, device=w.device, dtype=w.dtype)
+        if self.conv1d:
+            dense = Conv1D(self.out_features, self.in_features).to(w.device, w.dtype)
+            w = w.T
+        else:
+            dense = nn.Linear(self.in_features, self.out_features, bias=bias is not None, device=w.device, dtype=w.dtype)
         with torch.no_grad():
-            lin.weight.copy_(w)
+            dense.weight.copy_(w)
             if bias is not None:
-                lin.bias.copy_(bias)
-        return lin
+                dense.bias.copy_(bias)
+            elif self.conv1d:
+                dense.bias.zero_()
+        return dense
 
     def extra_repr(self) -> str:
         return ", ".join(f"{k}={v}" for k, v in self.spec().items())

@@ -22,7 +22,7 @@ from scipy.optimize import linear_sum_assignment
 from torch import nn
 
 from .. import ui
-from ..arch import Arch, discover, get_module, require_unshared, set_module, weight_of
+from ..arch import Arch, Conv1D, discover, get_module, require_unshared, set_module, weight_of
 from ..errors import UsageError
 from ..model import model_device
 from ..modules import CompressedLinear, register_module
@@ -39,9 +39,9 @@ class LowRankDeltaLinear(CompressedLinear):
     """y = x (W_c + A B)^T + b: ``base`` (W_c) is an nn.Linear shared by the window's layers;
     A (out, rank), B (rank, in) and the bias are this layer's own."""
 
-    def __init__(self, in_features: int, out_features: int, rank: int, bias: bool = False):
+    def __init__(self, in_features: int, out_features: int, rank: int, bias: bool = False, conv1d: bool = False):
         super().__init__()
-        self.in_features, self.out_features, self.rank = in_features, out_features, rank
+        self.in_features, self.out_features, self.rank, self.conv1d = in_features, out_features, rank, conv1d
         self.base = nn.Linear(in_features, out_features, bias=False)
         self.a = nn.Parameter(torch.empty(out_features, rank))
         self.b = nn.Parameter(torch.empty(rank, in_features))
@@ -55,7 +55,7 @@ class LowRankDeltaLinear(CompressedLinear):
 
     def spec(self) -> dict:
         return {"in_features": self.in_features, "out_features": self.out_features, "rank": self.rank,
-                "bias": self.bias is not None}
+                "bias": self.bias is not None, "conv1d": self.conv1d}
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [self.a, self.b]  # the shared base stays fixed: only the deltas are trained
@@ -158,7 +158,9 @@ class Planner:
         out = {}
         for i, modules in zip(layers, soft_modules(weights, self.rank)):
             names = ffn_names(self.arch, i)
-            out.update((names[role], m) for role, m in modules.items())
+            for role, m in modules.items():
+                m.conv1d = isinstance(get_module(self.arch.model, names[role]), Conv1D)
+                out[names[role]] = m
         return out
 
 

@@ -30,7 +30,7 @@ class LowRankLinear(CompressedLinear):
     def __init__(self, in_features: int, out_features: int, rank: int, bias: bool = False, conv1d: bool = False):
         super().__init__()
         self.in_features, self.out_features, self.rank = in_features, out_features, rank
-        self.conv1d = conv1d  # replaced a GPT-2 Conv1D: export writes one back, as stock GPT-2 expects
+        self.conv1d = conv1d
         self.basis = nn.Linear(in_features, rank, bias=False)
         self.coeff = nn.Linear(rank, out_features, bias=bias)
 
@@ -47,16 +47,6 @@ class LowRankLinear(CompressedLinear):
     def spec(self) -> dict:
         return {"in_features": self.in_features, "out_features": self.out_features, "rank": self.rank,
                 "bias": self.bias is not None, "conv1d": self.conv1d}
-
-    def to_dense(self) -> nn.Module:
-        lin = super().to_dense()
-        if not self.conv1d:
-            return lin
-        conv = Conv1D(self.out_features, self.in_features).to(lin.weight.device, lin.weight.dtype)
-        with torch.no_grad():
-            conv.weight.copy_(lin.weight.T)
-            conv.bias.copy_(lin.bias)
-        return conv
 
     @classmethod
     def replacing(cls, original: nn.Module, coeff: torch.Tensor, basis: nn.Linear | torch.Tensor) -> LowRankLinear:
