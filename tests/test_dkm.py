@@ -15,7 +15,7 @@ from wscompress.errors import UsageError
 from wscompress.evaluate.perplexity import perplexity
 from wscompress.finetune import finetune
 from wscompress.methods.dkm import DKMLinear, parse_options, prepare_dkm
-from wscompress.methods.kmeans import PalettizedLinear
+from wscompress.methods.kmeans import PalettizedLinear, centroid_means, nearest
 from wscompress.recipe import load_recipe
 
 
@@ -46,14 +46,50 @@ def test_chunked_attention_gives_the_same_weights_and_gradients(opts):
         layer.train()
         w = layer.soft_weight()
         (w ** 2).sum().backward()
-        grads.append((w.detach(), layer.weight.grad.clone(), layer.centroids.grad.clone()))
+        grads.append((w.detach(), layer.weight.grad.clone(), layer.centroids.clone()))
     for a, b in zip(*grads):
         assert torch.allclose(a, b, rtol=1e-9, atol=1e-12)
     assert grads[0][1].abs().sum() > 0  # gradients reach the dense weights through the attention
 
 
-def _recipe(mode: str, steps: int, lr: float, **kw):
-    return load_recipe(data={"output": {"dir": "outputs/test-dkm"}, "eval": {"perplexity": [WIKI_TEST]},
+def test_forward_passes_warm_start_and_snap_ends_with_a_hard_lloyd_step():
+    from wscompress.methods.dkm import _sums
+
+    model = tiny_model("llama").double()
+    prepare_dkm(model, {"bits": 2, "iterations": 1, "targets": [r"layers\.0\.mlp\.up_proj"]})
+    layer = model.model.layers[0].mlp.up_proj
+
+    def step(c):  # one soft k-means update from c
+        num, den = _sums(layer.points(), c, layer.tau)
+        return num / den[..., None]
+    start = layer.centroids.clone()
+    with torch.no_grad():
+        first = layer.converged_centroids()
+        torch.testing.assert_close(first, step(start))
+        assert torch.equal(layer.centroids, first)  # the buffer holds where the pass ended
+        torch.testing.assert_close(layer.converged_centroids(), step(first))  # and the next pass starts there
+    codebook, idx = layer.snap()
+    converged, points = layer.centroids, layer.points().detach()
+    torch.testing.assert_close(codebook, centroid_means(points, nearest(points, converged), converged))
+    assert torch.equal(idx.reshape(points.shape[:2]), nearest(points, codebook))
+    error = lambda c: (points - torch.gather(c, 1, nearest(points, c)[..., None])).pow(2).sum()  # noqa: E731
+    assert error(codebook) < error(converged)  # the hard step only lowers the clustering error
+
+
+def test_dkm_resume_equals_an_uninterrupted_run(tokenizer, tmp_path):
+    """The centroid warm starts travel in the checkpoint: a resumed run ends where one run ends."""
+    dkm = {"bits": 2, "targets": [r"layers\.0\.mlp"]}
+    recipe = lambda out: _recipe("dkm", 4, 1e-3, dkm=dkm, save_every=2, seq_len=32, batch_size=2,  # noqa: E731
+                                 output=str(out))
+    whole, _ = finetune(tiny_model("llama"), tokenizer, recipe(tmp_path / "a"))
+    finetune(tiny_model("llama"), tokenizer, recipe(tmp_path / "b"), stop_after=2)
+    resumed, _ = finetune(tiny_model("llama"), tokenizer, recipe(tmp_path / "b"), resume=True)
+    for (name, a), b in zip(whole.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def _recipe(mode: str, steps: int, lr: float, output: str = "outputs/test-dkm", **kw):
+    return load_recipe(data={"output": {"dir": output}, "eval": {"perplexity": [WIKI_TEST]},
                              "finetune": {"mode": mode, "steps": steps, "seq_len": 64, "batch_size": 8, "lr": lr,
                                           "eval_windows": 4, "dataset": WIKI_TRAIN, **kw}})
 

@@ -80,11 +80,13 @@ def with_penalty(model: nn.Module, weight: float, extra_loss: Callable | None) -
     return loss
 
 
-def prepare(model: nn.Module, cfg: FinetuneConfig) -> tuple[nn.Module, list[nn.Parameter], Callable[[], dict]]:
-    """Select the trainable parameters for the mode; returns (model, params, finalize)."""
+def prepare(model: nn.Module, cfg: FinetuneConfig) -> tuple[nn.Module, list[nn.Parameter], list[torch.Tensor], Callable[[], dict]]:
+    """Select the trainable parameters for the mode; returns (model, params, other state a
+    resumable checkpoint must hold, finalize)."""
     for p in model.parameters():
         p.requires_grad_(False)
     finalize: Callable[[], dict] = dict
+    state: list[torch.Tensor] = []
     if cfg.mode == "full":
         params = list(model.parameters())
     elif cfg.mode == "method":
@@ -104,10 +106,10 @@ def prepare(model: nn.Module, cfg: FinetuneConfig) -> tuple[nn.Module, list[nn.P
     else:  # dkm
         from .methods.dkm import prepare_dkm
 
-        params, finalize = prepare_dkm(model, cfg.dkm)
+        params, state, finalize = prepare_dkm(model, cfg.dkm)
     for p in params:
         p.requires_grad_(True)
-    return model, params, finalize
+    return model, params, state, finalize
 
 
 def lr_at(step: int, cfg: FinetuneConfig) -> float:
@@ -125,7 +127,7 @@ def _rng_state() -> dict[str, torch.Tensor]:
     return state
 
 
-def _save_checkpoint(path: Path, step: int, params: list[nn.Parameter], opt, sched, history: list, cfg: FinetuneConfig) -> None:
+def _save_checkpoint(path: Path, step: int, params: list[torch.Tensor], opt, sched, history: list, cfg: FinetuneConfig) -> None:
     """Write the checkpoint next to the old one, then swap: an interruption never leaves half of one."""
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -138,7 +140,7 @@ def _save_checkpoint(path: Path, step: int, params: list[nn.Parameter], opt, sch
     tmp.rename(path)
 
 
-def _load_checkpoint(path: Path, params: list[nn.Parameter], opt, sched, cfg: FinetuneConfig) -> tuple[int, list]:
+def _load_checkpoint(path: Path, params: list[torch.Tensor], opt, sched, cfg: FinetuneConfig) -> tuple[int, list]:
     progress = json.loads((path / "progress.json").read_text())
     changed = [k for k in RESUME_KEYS if progress["config"].get(k) != getattr(cfg, k)]
     if changed:
@@ -183,7 +185,7 @@ def finetune(model: nn.Module, tokenizer, recipe: Recipe, resume: bool = False,
     cfg = recipe.finetune
     torch.manual_seed(cfg.seed)
     device = model_device(model)
-    model, params, finalize = prepare(model, cfg)
+    model, params, state, finalize = prepare(model, cfg)
     if cfg.penalty > 0:
         extra_loss = with_penalty(model, cfg.penalty, extra_loss)
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -193,7 +195,7 @@ def finetune(model: nn.Module, tokenizer, recipe: Recipe, resume: bool = False,
     first, history = 0, []
     if resume:
         if ckpt.is_dir():
-            first, history = _load_checkpoint(ckpt, params, opt, sched, cfg)
+            first, history = _load_checkpoint(ckpt, [*params, *state], opt, sched, cfg)
             ui.log(f"resumed from {ckpt} at step {first}")
         else:
             ui.log(f"[yellow]no checkpoint at {ckpt}; starting from step 0[/]")
@@ -240,7 +242,7 @@ def finetune(model: nn.Module, tokenizer, recipe: Recipe, resume: bool = False,
         history.append(entry)
         interrupted = stop_after is not None and step + 1 >= stop_after
         if (cfg.save_every and (step + 1) % cfg.save_every == 0) or interrupted:
-            _save_checkpoint(ckpt, step + 1, params, opt, sched, history, cfg)
+            _save_checkpoint(ckpt, step + 1, [*params, *state], opt, sched, history, cfg)
         if interrupted:
             return model, {"interrupted_at": step + 1, "checkpoint": str(ckpt), "history": history}
     final_ppl = evaluate()

@@ -2,9 +2,12 @@
 
 Each target linear trains its dense weight W through a soft clustering: with attention
 A = softmax(-||w - c||^2 / tau) of every weight (or d-long sub-vector) w over the centroids c,
-the centroids are updated ``iterations`` times (c = A^T W / sum A) and the layer computes with
-the soft weights A c, so gradients reach W through the attention and the centroid updates.
-At the end ``finalize`` snaps every weight to its nearest centroid and swaps in
+the centroids are iterated (c = A^T W / sum A) until they move less than ``tolerance`` (times
+the centroid spacing) or ``iterations`` times, and the layer computes with the soft weights A c,
+so gradients reach W through the attention and the centroid updates. As in the paper, each
+forward pass starts from the centroids the previous one converged to (a buffer, not a trained
+parameter). At the end ``finalize`` snaps every weight to its nearest converged centroid, takes
+one hard Lloyd step (centroids = means of their weights, then nearest again) and swaps in
 ``PalettizedLinear`` layers: the same format the ``kmeans`` stage writes.
 
 The attention map has one row per weight and K columns: more than the model itself. It is
@@ -33,13 +36,14 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .. import ui
-from ..arch import replace_everywhere, weight_of
+from ..arch import Conv1D, replace_everywhere, weight_of
 from ..errors import UsageError
 from ..recipe import Strict, _format_errors
 from .kmeans import (
     Init,
     KMeansConfig,
     PalettizedLinear,
+    centroid_means,
     check_layer,
     cluster,
     dequantize,
@@ -55,12 +59,14 @@ class DKMOptions(Strict):
     """``finetune.dkm`` options (the clustering ones mean what they mean for ``kmeans``)."""
 
     bits: int = Field(4, ge=1, le=8)
-    granularity: Literal["per_tensor", "per_channel", "grouped"] = "per_tensor"
+    granularity: Literal["per_tensor", "per_channel", "grouped"] = "per_channel"
     group_size: int | None = Field(None, gt=0)
     cluster_dim: int = Field(1, ge=1)
     init: Init = "kmeans++"
     temperature: float = Field(0.2, gt=0, description="softness, relative to the squared centroid spacing")
-    iterations: int = Field(2, ge=1, description="centroid updates per forward pass")
+    iterations: int = Field(5, ge=1, description="most centroid updates per forward pass")
+    tolerance: float = Field(1e-4, ge=0, description="stop updating once no centroid moves more than this, "
+                                                     "relative to the centroid spacing")
     chunk_size: int = Field(1 << 22, gt=0, description="attention entries computed at once")
     entropy_coding: bool = False
     targets: list[str] = Field(default_factory=list)
@@ -92,17 +98,19 @@ class DKMLinear(nn.Module):
     """A linear trained through differentiable k-means (see the module docstring)."""
 
     def __init__(self, weight: nn.Parameter, bias: torch.Tensor | None, codebook: torch.Tensor, group_size: int,
-                 opts: DKMOptions):
+                 opts: DKMOptions, conv1d: bool = False):
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.weight, self.bias = weight, bias
-        self.centroids = nn.Parameter(codebook.detach().clone())
+        self.weight, self.bias, self.conv1d = weight, bias, conv1d
+        self.register_buffer("centroids", codebook.detach().clone())  # the last converged centroids: the warm start
         self.group_size, self.opts = group_size, opts
         d2 = torch.cdist(codebook.float(), codebook.float()) ** 2
         d2 = torch.where(d2 > 0, d2, torch.inf).amin(-1)  # each centroid to its nearest distinct one
         finite = torch.isfinite(d2)
         spacing = torch.where(finite, d2, 0).sum(-1) / finite.sum(-1).clamp_min(1)
-        self.register_buffer("tau", (opts.temperature * torch.where(spacing > 0, spacing, 1.0))[:, None, None])
+        spacing = torch.where(spacing > 0, spacing, 1.0)[:, None, None]
+        self.register_buffer("tau", opts.temperature * spacing)
+        self.register_buffer("step_tol", opts.tolerance * spacing.sqrt())
 
     def points(self) -> torch.Tensor:
         g = self.out_features // self.group_size
@@ -113,15 +121,22 @@ class DKMLinear(nn.Module):
         return points.split(max(1, self.opts.chunk_size // (g * self.centroids.shape[1])), 1)
 
     def converged_centroids(self) -> torch.Tensor:
-        """The centroids after ``iterations`` soft updates from the trained starting point."""
-        points, c = self.points(), self.centroids
+        """Soft k-means from the last converged centroids until they settle (differentiable in
+        the weights); the result becomes the next warm start."""
+        points, c = self.points(), self.centroids.to(self.weight.dtype, copy=True)
         tau = self.tau.to(points.dtype)
         for _ in range(self.opts.iterations):
             num, den = 0, 0
             for chunk in self._chunks(points):
                 n, s = checkpoint(_sums, chunk, c, tau, use_reentrant=False)
                 num, den = num + n, den + s
-            c = torch.where(den[..., None] > 1e-12, num / den.clamp_min(1e-12)[..., None], c)
+            new = torch.where(den[..., None] > 1e-12, num / den.clamp_min(1e-12)[..., None], c)
+            moved = ((new - c).detach().abs() > self.step_tol.to(c.dtype)).any()
+            c = new
+            if not moved:
+                break
+        with torch.no_grad():
+            self.centroids.copy_(c.detach())
         return c
 
     def soft_weight(self) -> torch.Tensor:
@@ -131,9 +146,12 @@ class DKMLinear(nn.Module):
 
     @torch.no_grad()
     def snap(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(codebook, indices (out, in / d)): every weight to its nearest converged centroid."""
+        """(codebook, indices (out, in / d)): the converged centroids, one hard Lloyd step (every
+        weight to its nearest centroid, each centroid to the mean of its weights), nearest again."""
+        points = self.points()
         c = self.converged_centroids()
-        return c, nearest(self.points(), c).reshape(self.out_features, -1)
+        c = centroid_means(points, nearest(points, c), c)
+        return c, nearest(points, c).reshape(self.out_features, -1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.training:
@@ -152,8 +170,9 @@ def parse_options(options: dict) -> DKMOptions:
         raise UsageError(_format_errors(err, "finetune", "dkm"), f"keys of finetune.dkm: {', '.join(DKMOptions.model_fields)}") from None
 
 
-def prepare_dkm(model: nn.Module, options: dict) -> tuple[list[nn.Parameter], Callable[[], dict]]:
-    """Wrap the target linears for DKM training: (trainable weights and centroids, finalize).
+def prepare_dkm(model: nn.Module, options: dict) -> tuple[list[nn.Parameter], list[torch.Tensor], Callable[[], dict]]:
+    """Wrap the target linears for DKM training: (trainable weights, the centroid buffers a
+    resumable checkpoint must hold, finalize).
 
     ``finalize()`` hard-snaps the layers into ``PalettizedLinear`` and returns the report.
     """
@@ -169,18 +188,19 @@ def prepare_dkm(model: nn.Module, options: dict) -> tuple[list[nn.Parameter], Ca
         gs, d = group_size_of(kcfg, out), opts.cluster_dim
         codebook, _ = cluster(w.detach().reshape(out // gs, -1, d), opts.bits, opts.init, seed=opts.seed)
         weight = module.weight if isinstance(module, nn.Linear) else nn.Parameter(w.detach().clone())
-        layer = DKMLinear(weight, getattr(module, "bias", None), codebook.to(w.dtype), gs, opts)
+        layer = DKMLinear(weight, getattr(module, "bias", None), codebook.to(w.dtype), gs, opts, isinstance(module, Conv1D))
         replace_everywhere(model, module, layer)
         wrapped[name] = layer
-    params = [p for layer in wrapped.values() for p in (layer.weight, layer.centroids)]
+    params = [layer.weight for layer in wrapped.values()]
+    state = [layer.centroids for layer in wrapped.values()]
 
     def finalize() -> dict:
         rows = []
         for name, layer in wrapped.items():
             codebook, idx = layer.snap()
-            pal = PalettizedLinear.from_clusters(codebook.detach(), idx, layer.bias, opts.entropy_coding)
+            pal = PalettizedLinear.from_clusters(codebook.detach(), idx, layer.bias, opts.entropy_coding, layer.conv1d)
             rows.append(layer_report(name, layer.weight, pal))
             replace_everywhere(model, layer, pal)
         return {"dkm": {**summarize(rows, opts.bits), "per_layer": rows}}
 
-    return params, finalize
+    return params, state, finalize

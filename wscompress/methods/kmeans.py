@@ -29,7 +29,7 @@ from pydantic import Field, model_validator
 from torch import nn
 
 from .. import ui
-from ..arch import LINEAR_TYPES, discover, distinct, match_modules, replace_everywhere, weight_of
+from ..arch import LINEAR_TYPES, Conv1D, discover, distinct, match_modules, replace_everywhere, weight_of
 from ..errors import UsageError
 from ..modules import CompressedLinear, register_module
 from ..packing import (
@@ -55,7 +55,7 @@ class KMeansConfig(StageConfig):
 
     method: Literal["kmeans"] = "kmeans"
     bits: int = Field(4, ge=1, le=8, description="index bits: K = 2^bits centroids per codebook")
-    granularity: Literal["per_tensor", "per_channel", "grouped"] = "per_tensor"
+    granularity: Literal["per_tensor", "per_channel", "grouped"] = "per_channel"
     group_size: int | None = Field(None, gt=0, description="output channels sharing a codebook (granularity: grouped)")
     cluster_dim: int = Field(1, ge=1, description="length of the sub-vectors clustered together (1: scalar)")
     init: Init = "kmeans++"
@@ -169,12 +169,12 @@ def _lloyd_nd(points: torch.Tensor, c: torch.Tensor, iterations: int) -> torch.T
         assign = _nearest(points, c)
         if prev is not None and (assign != prev).sum() * 10_000 < assign.numel():
             break
-        c = _refit(points, assign, c)
+        c = centroid_means(points, assign, c)
         prev = assign
     return c
 
 
-def _refit(points: torch.Tensor, assign: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+def centroid_means(points: torch.Tensor, assign: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     """Centroids = means of their assigned points (an empty cluster keeps its centroid)."""
     sums = torch.zeros_like(c, dtype=torch.float64).scatter_add_(1, assign[..., None].expand_as(points), points.double())
     counts = torch.zeros(c.shape[:2], dtype=torch.float64, device=c.device).scatter_add_(
@@ -241,7 +241,7 @@ def cluster(groups: torch.Tensor, bits: int, init: Init = "kmeans++", iterations
     runs = []
     for _ in range(n_init):
         c = _lloyd_nd(groups, _init(groups, ones, k, init, gen), iterations)
-        c = _refit(groups, _nearest(groups, c), c)
+        c = centroid_means(groups, _nearest(groups, c), c)
         assign = _nearest(groups, c)
         runs.append((c, ((groups - torch.gather(c, 1, assign[..., None].expand(-1, -1, d))) ** 2).sum((1, 2))))
     c = _best(runs)
@@ -280,9 +280,9 @@ class PalettizedLinear(CompressedLinear):
     """
 
     def __init__(self, in_features: int, out_features: int, bits: int, group_size: int | None = None,
-                 cluster_dim: int = 1, bias: bool = False, stream_bytes: int | None = None):
+                 cluster_dim: int = 1, bias: bool = False, stream_bytes: int | None = None, conv1d: bool = False):
         super().__init__()
-        self.in_features, self.out_features, self.bits = in_features, out_features, bits
+        self.in_features, self.out_features, self.bits, self.conv1d = in_features, out_features, bits, conv1d
         self.group_size = group_size or out_features
         self.cluster_dim, self.stream_bytes = cluster_dim, stream_bytes
         k, n = 2 ** bits, self.num_indices
@@ -301,13 +301,13 @@ class PalettizedLinear(CompressedLinear):
 
     @classmethod
     def from_clusters(cls, codebook: torch.Tensor, indices: torch.Tensor, bias: torch.Tensor | None,
-                      entropy_coding: bool = False) -> PalettizedLinear:
+                      entropy_coding: bool = False, conv1d: bool = False) -> PalettizedLinear:
         """Build from codebook (groups, K, d) and indices (out, in / d)."""
         groups, k, d = codebook.shape
         out, cols = indices.shape
         stream = huffman_encode(indices.cpu().numpy(), k) if entropy_coding else None
         layer = cls(cols * d, out, int(math.log2(k)), out // groups, d, bias is not None,
-                    None if stream is None else len(stream.data))
+                    None if stream is None else len(stream.data), conv1d)
         layer.codebook = nn.Parameter(codebook.detach().clone())
         layer.indices = pack(indices, layer.bits)
         if bias is not None:
@@ -350,7 +350,7 @@ class PalettizedLinear(CompressedLinear):
     def spec(self) -> dict:
         return {"in_features": self.in_features, "out_features": self.out_features, "bits": self.bits,
                 "group_size": self.group_size, "cluster_dim": self.cluster_dim, "bias": self.bias is not None,
-                "stream_bytes": self.stream_bytes}
+                "stream_bytes": self.stream_bytes, "conv1d": self.conv1d}
 
 
 # ----------------------------------------------------------------------------- the stage
@@ -420,7 +420,7 @@ def palettize(module: nn.Module, cfg: KMeansConfig) -> PalettizedLinear:
     gs, d = group_size_of(cfg, out), cfg.cluster_dim
     codebook, assign = cluster(w.reshape(out // gs, gs * inp // d, d), cfg.bits, cfg.init, cfg.iterations, cfg.n_init, cfg.seed)
     return PalettizedLinear.from_clusters(codebook.to(w.dtype), assign.reshape(out, inp // d),
-                                          getattr(module, "bias", None), cfg.entropy_coding)
+                                          getattr(module, "bias", None), cfg.entropy_coding, isinstance(module, Conv1D))
 
 
 def summarize(rows: list[dict], bits: int) -> dict:
