@@ -126,3 +126,29 @@ def test_penalty_without_penalised_layers_is_a_usage_error(tokenizer, tmp_path):
 def test_bad_windows_are_usage_errors(model, options, message, tokenizer):
     with pytest.raises(UsageError, match=message):
         soft_share(model(), tokenizer, **options)
+
+
+@pytest.mark.slow
+def test_sampled_search_picks_the_exact_searchs_window_on_smollm2(smollm2):
+    """The search scores windows on a few sequences, LM head on a few positions, from cached
+    inputs; on the real model it picks the window that full calibration NLL picks."""
+    import copy
+
+    from wscompress.methods.soft_share import Planner, place
+    from wscompress.sharing import sample_inputs
+
+    model, tok = smollm2
+    calibration = {"dataset": WIKI_TRAIN, "num_samples": 8, "seq_len": 256, "batch_size": 4}
+    (row,) = compress(copy.deepcopy(model), [{"method": "soft_share", "window": 4, "rank": 8, "search_stride": 3}],
+                      tok, calibration)
+    arch = discover(model)
+    batches = data.calibration_batches(tok, WIKI_TRAIN, 8, 256, 4, seed=0)
+    planner = Planner(arch, sample_inputs(model, arch, batches, "down", 256), 8)
+    exact = {}
+    for start in range(0, arch.num_layers - 3, 3):
+        old = place(model, planner.build(start, 4))
+        with torch.no_grad():
+            exact[start] = sum(model(input_ids=b, labels=b).loss.item() for b in batches) / len(batches)
+        place(model, old)
+    best = min(exact, key=exact.get)
+    assert row["windows"] == [list(range(best, best + 4))], (row["search_nll"], exact)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
@@ -46,20 +46,27 @@ class LayerInputs:
     calls: list[Call]
 
 
-class _Recorder(nn.Module):
-    """Stands in for one decoder layer while the inputs are captured: records the arguments the
-    model passes it and hands the hidden states on unchanged (no layer computes anything).
-    Attribute reads the model makes of its layers (e.g. ``attention_type``) reach the layer."""
+class _Stub(nn.Module):
+    """Stands in for a decoder layer without computing it. Attribute reads the model makes of
+    its layers (e.g. ``attention_type``) reach the layer."""
 
-    def __init__(self, layer: nn.Module, calls: list[Call], hidden: list[torch.Tensor] | None, last: bool):
+    def __init__(self, layer: nn.Module):
         super().__init__()
-        self.layer, self.calls, self.hidden, self.last = layer, calls, hidden, last
+        self.layer = layer
 
     def __getattr__(self, name: str):
         try:
             return super().__getattr__(name)
         except AttributeError:
             return getattr(super().__getattr__("layer"), name)
+
+
+class _Recorder(_Stub):
+    """Records the arguments the model passes its layer and hands the hidden states on."""
+
+    def __init__(self, layer: nn.Module, calls: list[Call], hidden: list[torch.Tensor] | None, last: bool):
+        super().__init__(layer)
+        self.calls, self.hidden, self.last = calls, hidden, last
 
     def forward(self, *args, **kwargs) -> torch.Tensor:
         hidden, args = (args[0], args[1:]) if args else (kwargs.pop("hidden_states"), ())
@@ -70,6 +77,36 @@ class _Recorder(nn.Module):
         if self.last:
             raise _Stop  # nothing after the layers (final norm, LM head) is needed
         return hidden
+
+
+class _Replay(_Stub):
+    """Returns the given hidden states (one a batch, in turn) instead of its layer's output;
+    with none given, hands its input on."""
+
+    def __init__(self, layer: nn.Module, hidden: list[torch.Tensor] | None):
+        super().__init__(layer)
+        self.hidden, self.calls = hidden, 0
+
+    def forward(self, *args, **kwargs) -> torch.Tensor:
+        if self.hidden is None:
+            return args[0] if args else kwargs["hidden_states"]
+        self.calls += 1
+        return self.hidden[(self.calls - 1) % len(self.hidden)]
+
+
+@contextmanager
+def start_at(arch: Arch, first: int, hidden: list[torch.Tensor]):
+    """Inside the block, a forward of the model skips decoder layers 0..first-1 and feeds layer
+    ``first`` the cached ``hidden`` (what enters it, one tensor a batch, for the same batches in
+    the same order): a search that changes layers from ``first`` on need not rerun the others."""
+    layers = list(arch.layers)
+    for i in range(first):
+        arch.layers[i] = _Replay(layers[i], hidden if i == first - 1 else None)
+    try:
+        yield
+    finally:
+        for i in range(first):
+            arch.layers[i] = layers[i]
 
 
 @torch.no_grad()

@@ -7,8 +7,11 @@ window's first layer: the correlation of their calibration activations (the inpu
 down projection) is matched by the Hungarian algorithm, and each layer's gate/up rows and
 down columns are permuted accordingly (which leaves its function unchanged). Then W_c is
 the mean of the aligned weights and A_l B_l the truncated SVD of W_l - W_c. The window's
-position is searched by calibration perplexity. ``finetune`` (mode ``method``) trains only
-the deltas, with the Frobenius penalty ``finetune.penalty`` * sum ||A_l B_l||^2.
+position is searched by the calibration loss of the soft-shared model, estimated on
+``search_samples`` sequences at ``search_positions`` fixed random positions each (the LM head
+runs on those only: on a 262k vocabulary it would cost more than the rest of the search).
+``finetune`` (mode ``method``) trains only the deltas, with the Frobenius penalty
+``finetune.penalty`` * sum ||A_l B_l||^2.
 """
 
 from __future__ import annotations
@@ -24,9 +27,11 @@ from torch import nn
 from .. import ui
 from ..arch import Arch, Conv1D, discover, get_module, require_unshared, set_module, weight_of
 from ..errors import UsageError
+from ..linalg import principal_factors
 from ..model import model_device
 from ..modules import CompressedLinear, register_module
 from ..recipe import StageConfig
+from ..calibrate import layerwise, start_at
 from ..sharing import check_groups, sample_inputs
 from . import register
 
@@ -69,9 +74,12 @@ class SoftShareConfig(StageConfig):
     method: Literal["soft_share"] = "soft_share"
     window: int = Field(4, ge=2, description="consecutive layers sharing one FFN base")
     rank: int = Field(16, ge=1, description="rank of each layer's delta A_l B_l")
-    starts: list[int] | None = Field(None, description="first layers of the windows; default: searched by calibration perplexity")
+    starts: list[int] | None = Field(None, description="first layers of the windows; default: searched by calibration loss")
     num_windows: int = Field(1, ge=1, description="windows placed by the search (greedily, without overlap)")
     search_stride: int = Field(1, ge=1, description="search every k-th start position")
+    search_samples: int = Field(4, ge=1, description="calibration sequences the search scores windows on")
+    search_positions: int = Field(64, ge=1, description="next-token predictions scored per sequence (a fixed "
+                                                       "random subset: the LM head runs on these only)")
     samples_per_batch: int = Field(256, ge=8, description="token rows per calibration batch used to correlate neurons")
 
 
@@ -124,13 +132,14 @@ def soft_modules(weights: list[dict[str, Weights]], rank: int) -> list[dict[str,
         base.weight.copy_(center)
         r = min(rank, *center.shape)
         for layer, w in enumerate(ws):
-            u, s, vh = torch.linalg.svd(w.float() - center, full_matrices=False)
-            root = s[:r].sqrt()  # balanced factors train better than (U S, V^T)
+            left, right = principal_factors(w.double() - center, r)
+            # balanced factors (U·S^½, S^½·Vᵀ) train better than (U·S, Vᵀ)
+            scale = (left.norm(dim=0) / right.norm(dim=1)).clamp_min(1e-30).sqrt()
             bias = weights[layer][role][1]
             module = LowRankDeltaLinear(center.shape[1], center.shape[0], r, bias is not None).to(device=device, dtype=dtype)
             module.base = base
-            module.a.copy_(u[:, :r] * root)
-            module.b.copy_(root[:, None] * vh[:r])
+            module.a.copy_(left / scale)
+            module.b.copy_(right * scale[:, None])
             if bias is not None:
                 module.bias.copy_(bias)
             out[layer][role] = module
@@ -165,10 +174,17 @@ class Planner:
 
 
 @torch.no_grad()
-def calibration_nll(model: nn.Module, batches: list[torch.Tensor]) -> float:
+def sampled_nll(model: nn.Module, batches: list[torch.Tensor], positions: torch.Tensor) -> float:
+    """Mean next-token NLL at ``positions`` of every sequence: the LM head (the costliest layer
+    of a large-vocabulary model, e.g. Gemma's 262k) runs on those positions only."""
     device = model_device(model)
-    losses = [model(input_ids=b.to(device), labels=b.to(device), use_cache=False).loss.item() for b in batches]
-    return sum(losses) / len(losses)
+    total, count = 0.0, 0
+    for b in batches:
+        b = b.to(device)
+        logits = model(input_ids=b, logits_to_keep=positions.to(device), use_cache=False).logits.float()
+        total += F.cross_entropy(logits.flatten(0, 1), b[:, positions.to(device) + 1].flatten(), reduction="sum").item()
+        count += logits.shape[0] * logits.shape[1]
+    return total / count
 
 
 def place(model: nn.Module, modules: dict[str, nn.Module]) -> dict[str, nn.Module]:
@@ -179,12 +195,18 @@ def place(model: nn.Module, modules: dict[str, nn.Module]) -> dict[str, nn.Modul
     return old
 
 
-def search(model: nn.Module, planner: Planner, candidates: list[int], window: int, batches) -> tuple[int, dict[int, float]]:
-    """The start whose window, soft-shared, gives the lowest calibration NLL (model restored)."""
+def search(model: nn.Module, planner: Planner, candidates: list[int], window: int, batches: list[torch.Tensor],
+           positions: torch.Tensor) -> tuple[int, dict[int, float]]:
+    """The start whose window, soft-shared, gives the lowest sampled calibration NLL (model
+    restored). Each candidate runs from its first layer on, fed the cached hidden states."""
+    arch = planner.arch
+    entering = {i: inputs.hidden for i, _layer, inputs in layerwise(model, batches, arch, "soft_share: caching inputs")
+                if i in candidates}
     scores = {}
     for start in ui.track(candidates, "soft_share: searching the window"):
         old = place(model, planner.build(start, window))
-        scores[start] = calibration_nll(model, batches)
+        with start_at(arch, start, entering[start]):
+            scores[start] = sampled_nll(model, batches, positions)
         place(model, old)
     return min(scores, key=scores.get), scores
 
@@ -211,13 +233,17 @@ def apply(model, cfg: SoftShareConfig, ctx) -> dict:
             place(model, planner.build(s, cfg.window))
     else:
         starts = []
+        rows = torch.cat(batches)[: cfg.search_samples]
+        scored = rows.split(batches[0].shape[0])
+        gen = torch.Generator().manual_seed(0)
+        positions = torch.randperm(rows.shape[1] - 1, generator=gen)[: cfg.search_positions].sort().values
         for _ in range(cfg.num_windows):
             free = [s for s in range(0, n - cfg.window + 1, cfg.search_stride)
                     if all(s + cfg.window <= t or t + cfg.window <= s for t in starts)]
             if not free:  # the greedy placement left only gaps shorter than a window
                 raise UsageError(f"soft_share: the searched windows {starts} leave no room for another of {cfg.window} layers",
                                  "give the windows' first layers explicitly with starts, or use fewer windows")
-            best, scores = search(model, planner, free, cfg.window, batches)
+            best, scores = search(model, planner, free, cfg.window, scored, positions)
             starts.append(best)
             place(model, planner.build(best, cfg.window))
     return {"windows": [list(range(s, s + cfg.window)) for s in starts], "rank": cfg.rank,

@@ -1,0 +1,98 @@
+"""Benchmark: soft_share's window search, fast (sampled) scoring against the exact search.
+
+1. SmolLM2-135M: the stage's search (``search_samples`` sequences, LM head on
+   ``search_positions`` positions each) next to the exact search (full calibration NLL of every
+   candidate window): the window each picks, their top 5 and the time.
+2. A Gemma-3-270M-shaped model (18 layers, hidden 640, 262 144-token vocabulary, random
+   weights built from a config: nothing is downloaded): the whole soft_share stage with the
+   default calibration (32 x 512 tokens), timed.
+
+Usage: python scripts/bench_soft_share_search.py [--window 4] [--rank 8] [--skip exact gemma]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import time
+from pathlib import Path
+
+import torch
+
+import wscompress
+from wscompress import data, load
+from wscompress.model import builtin_dir
+
+WIKI_TRAIN = str(Path(__file__).resolve().parents[2] / "shared" / "data" / "wiki.train.txt")
+
+
+def exact_search(model, tok, window: int, rank: int, calibration: dict) -> dict[int, float]:
+    """Every start's full calibration NLL (the search as it was before sampled scoring)."""
+    from wscompress.arch import discover
+    from wscompress.methods.soft_share import Planner, place
+    from wscompress.sharing import sample_inputs
+
+    arch = discover(model)
+    batches = data.calibration_batches(tok, calibration["dataset"], calibration["num_samples"], calibration["seq_len"],
+                                       4, 0)
+    planner = Planner(arch, sample_inputs(model, arch, batches, "down", 256), rank)
+    scores = {}
+    for start in range(arch.num_layers - window + 1):
+        old = place(model, planner.build(start, window))
+        with torch.no_grad():
+            scores[start] = sum(model(input_ids=b, labels=b).loss.item() for b in batches) / len(batches)
+        place(model, old)
+    return scores
+
+
+def gemma_270m_shaped():
+    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    config = AutoConfig.for_model("gemma3_text", vocab_size=262_144, hidden_size=640, intermediate_size=2048,
+                                  num_hidden_layers=18, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                                  sliding_window=512, bos_token_id=2, eos_token_id=1, pad_token_id=0)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    # byte-level stand-in tokenizer whose ids spread over the whole vocabulary
+    vocab = {chr(i): i * 997 % 262_000 + 3 for i in range(256)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab | {"<unk>": 262_100}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    return model, PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<unk>", pad_token="<unk>")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--window", type=int, default=4)
+    parser.add_argument("--rank", type=int, default=8)
+    parser.add_argument("--samples", type=int, default=8, help="calibration sequences for the SmolLM2 comparison")
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--skip", nargs="*", default=[], choices=["exact", "gemma"])
+    args = parser.parse_args()
+    stage = {"method": "soft_share", "window": args.window, "rank": args.rank}
+    calibration = {"dataset": WIKI_TRAIN, "num_samples": args.samples, "seq_len": args.seq_len, "batch_size": 4}
+
+    model, tok = load(str(builtin_dir("smollm2-135m-instruct")))
+    start = time.perf_counter()
+    (row,) = wscompress.compress(copy.deepcopy(model), [stage], tok, calibration)
+    fast_s = time.perf_counter() - start
+    fast = {int(k): v for k, v in row["search_nll"].items()}
+    print(f"| SmolLM2 | search | window | top 5 | seconds |\n|---|---|---|---|---|")
+    print(f"| {args.samples} x {args.seq_len} | sampled (stage) | {row['windows'][0]} | {sorted(fast, key=fast.get)[:5]} "
+          f"| {fast_s:.0f} (whole stage) |")
+    if "exact" not in args.skip:
+        start = time.perf_counter()
+        exact = exact_search(model, tok, args.window, args.rank, calibration)
+        best = min(exact, key=exact.get)
+        print(f"| {args.samples} x {args.seq_len} | exact | {list(range(best, best + args.window))} "
+              f"| {sorted(exact, key=exact.get)[:5]} | {time.perf_counter() - start:.0f} |")
+    if "gemma" not in args.skip:
+        gemma, gtok = gemma_270m_shaped()
+        start = time.perf_counter()
+        (row,) = wscompress.compress(gemma, [stage], gtok, {"dataset": WIKI_TRAIN})  # default: 32 x 512
+        print(f"\nGemma-3-270M-shaped (random weights, vocab 262 144), default calibration 32 x 512: whole soft_share "
+              f"stage {time.perf_counter() - start:.0f} s, window {row['windows'][0]}")
+
+
+if __name__ == "__main__":
+    main()
