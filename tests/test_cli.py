@@ -34,6 +34,8 @@ def test_eval_writes_json_and_markdown(tmp_path, tiny_dir):
     report = json.loads((tmp_path / "out" / "reports" / "eval.json").read_text())
     row = report["results"][0]
     assert row["ppl"] > 1 and row["tokens"] == 3 * 63
+    assert row["source"] == "wiki.test.txt" and row["bos"] == "none"  # the file's name, not a cut path
+    assert "wiki.test.txt" in result.output and "wik…" not in result.output
     assert report["environment"]["torch"] and report["recipe"]["eval"]["max_windows"] == 3
     assert "| model |" in (tmp_path / "out" / "reports" / "eval.md").read_text()
 
@@ -99,3 +101,45 @@ def test_target_matching_nothing_exits_2_without_output(tmp_path, tiny_dir):
     result = runner.invoke(app, ["compress", str(path)])
     assert result.exit_code == 2 and "matches no module" in result.output
     assert not (tmp_path / "out" / "model").exists()
+
+
+def test_output_dir_that_is_a_file_exits_2(tmp_path, tiny_dir):
+    path = recipe(tmp_path, tiny_dir("llama"))
+    (tmp_path / "out").write_text("not a folder")
+    for command in ("eval", "check"):
+        result = runner.invoke(app, [command, str(path)])
+        assert result.exit_code == 2 and f"{tmp_path / 'out'} is a file" in result.output, result.output
+        assert "Traceback" not in result.output
+    assert (tmp_path / "out").read_text() == "not a folder"
+
+
+def test_pickle_only_checkpoint_is_refused(tmp_path, tiny_dir):
+    import torch
+
+    from conftest import tiny_model
+
+    folder = tiny_dir("llama")
+    (folder / "model.safetensors").unlink()
+    torch.save(tiny_model("llama").state_dict(), folder / "pytorch_model.bin")
+    result = runner.invoke(app, ["eval", str(recipe(tmp_path, folder))])
+    assert result.exit_code == 2 and "pickle checkpoints are not loaded" in result.output
+    assert "safetensors" in result.output.split("fix:")[1]
+
+
+def test_missing_eval_source_is_found_before_compress_works(tmp_path, tiny_dir):
+    path = recipe(tmp_path, tiny_dir("llama"), compress=[{"method": "svd", "whitening": False, "ratio": 0.3}],
+                  eval={"perplexity": [str(tmp_path / "missing.txt")]})
+    for command in ("run", "check"):
+        result = runner.invoke(app, [command, str(path)])
+        assert result.exit_code == 2 and "missing.txt" in result.output and "eval.perplexity" in result.output
+    assert not (tmp_path / "out").exists()  # nothing was compressed or written
+
+
+def test_missing_task_file_and_calibration_text_are_found_up_front(tmp_path, tiny_dir):
+    path = recipe(tmp_path, tiny_dir("llama"), calibration={"dataset": str(tmp_path / "calib.txt")},
+                  compress=[{"method": "svd", "ratio": 0.3}])
+    result = runner.invoke(app, ["compress", str(path)])
+    assert result.exit_code == 2 and "calibration.dataset" in result.output and "calib.txt" in result.output
+    path = recipe(tmp_path, tiny_dir("llama"), eval={"tasks": [str(tmp_path / "task.yaml")]})
+    result = runner.invoke(app, ["check", str(path)])
+    assert result.exit_code == 2 and "task.yaml" in result.output

@@ -154,3 +154,30 @@ def test_gpt2_export_after_every_method_loads_in_stock_transformers(method, tmp_
     storage.export_dense(loaded, tokenizer, tmp_path / "dense")
     stock = AutoModelForCausalLM.from_pretrained(tmp_path / "dense").eval()
     torch.testing.assert_close(logits(stock), logits(model), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("exchange", [True, False])
+def test_atomic_replace_never_leaves_neither(tmp_path, monkeypatch, exchange):
+    """Replacing an existing output: the old one stays in place until the new one takes its
+    place in one step (or, where the system cannot swap atomically, is put back on failure)."""
+    target = tmp_path / "m"
+    target.mkdir()
+    (target / "old").write_text("old")
+    if not exchange:
+        monkeypatch.setattr(storage, "_exchange", lambda a, b: False)
+    with storage.atomic_dir(target) as tmp:
+        (tmp / "new").write_text("new")
+    assert sorted(p.name for p in target.iterdir()) == ["new"] and sorted(p.name for p in tmp_path.iterdir()) == ["m"]
+    if exchange:
+        return
+    real = type(target).rename
+
+    def failing(self, dest):  # the new folder cannot take the old one's place
+        if self.name.startswith(".m.") and not self.name.startswith(".m.old"):
+            raise OSError("disk trouble")
+        return real(self, dest)
+    monkeypatch.setattr(type(target), "rename", failing)
+    with pytest.raises(OSError, match="disk trouble"):
+        with storage.atomic_dir(target) as tmp:
+            (tmp / "newer").write_text("x")
+    assert sorted(p.name for p in target.iterdir()) == ["new"] and sorted(p.name for p in tmp_path.iterdir()) == ["m"]

@@ -132,10 +132,14 @@ def report(runs: List[Path] = typer.Argument(..., help="Run output directories (
 
 @app.command()
 def check(recipe: Path = RecipeArg, set: Optional[List[str]] = SetOpt, quiet: bool = QuietOpt):
-    """Validate a recipe (keys, types, methods) without loading a model."""
+    """Validate a recipe (keys, types, methods, text sources, tasks, output folder) without loading a model."""
 
     def go():
+        from .workflow import preflight
+
         r = _recipe(recipe, set, None)
+        named = {s for s in ("calibration", "finetune", "eval") if s in r.model_fields_set}
+        preflight(r, named | {"calibration"} if r.compress else named)
         typer.echo(f"{recipe}: ok ({len(r.compress)} compress stages)")
 
     _do(quiet, go)

@@ -49,6 +49,22 @@ def _hf_text(name: str, split: str) -> str:
     return sep.join(ds[field])
 
 
+def check_source(source: str, what: str) -> None:
+    """Refuse a text source that cannot be read, before any work (hub datasets are checked
+    when they load: that needs the network)."""
+    name = source.partition(":")[0]
+    if name == "pydoc" or (name in HF_SOURCES and not Path(source).exists()):
+        return
+    if not Path(source).expanduser().is_file():
+        raise UsageError(f"{what}: text source {source!r} not found",
+                         f"give an existing .txt/.jsonl file (relative to {Path.cwd()}), 'pydoc', or one of {', '.join(HF_SOURCES)}")
+
+
+def source_label(source: str) -> str:
+    """How tables name a source: a file by its name (paths get cut in narrow terminals)."""
+    return Path(source).name if Path(source).expanduser().is_file() else source
+
+
 @lru_cache(maxsize=8)
 def load_text(source: str) -> str:
     """The whole text of a source, documents joined by blank lines (the papers' protocol)."""

@@ -86,6 +86,9 @@ def _from_pretrained(path: str, **kw):
     return model, tokenizer
 
 
+PICKLE_SUFFIXES = {".bin", ".pt", ".pth", ".ckpt", ".pkl"}
+
+
 def resolve_path(cfg: ModelConfig) -> tuple[str, str | None]:
     """(where to load from, gguf file name) for a model section."""
     path, gguf = cfg.path, cfg.gguf_file
@@ -102,6 +105,12 @@ def resolve_path(cfg: ModelConfig) -> tuple[str, str | None]:
                              "give a folder with config.json, a .gguf file, a hub id or builtin:smollm2-135m-instruct")
         if gguf is None and not (p / "config.json").is_file():
             raise UsageError(f"model.path: {path} has no config.json", "point at a HF checkpoint folder (save_pretrained output)")
+        pickles = [f.name for f in p.iterdir() if f.suffix in PICKLE_SUFFIXES]
+        if gguf is None and pickles and not any(p.glob("*.safetensors")):
+            raise UsageError(f"model.path: {path} holds only pickle checkpoints ({', '.join(sorted(pickles)[:3])}); "
+                             "pickle checkpoints are not loaded: unpickling runs code from the file",
+                             "convert it to safetensors where you trust it, e.g. AutoModelForCausalLM.from_pretrained(path)"
+                             ".save_pretrained(out, safe_serialization=True), and point model.path at out")
         return str(p), gguf
     return path, gguf  # a hub id: transformers fetches it (or finds it in the HF cache)
 
@@ -121,7 +130,7 @@ def load_model(cfg: ModelConfig) -> tuple[nn.Module, object]:
             model, tokenizer = storage.load(path, dtype=None if dtype == "auto" else dtype)
         else:
             model, tokenizer = _from_pretrained(
-                path, gguf_file=gguf, revision=cfg.revision, dtype=dtype,
+                path, gguf_file=gguf, revision=cfg.revision, dtype=dtype, use_safetensors=None if gguf else True,
                 trust_remote_code=cfg.trust_remote_code or None, device_map=cfg.device_map)
     except UsageError:
         raise

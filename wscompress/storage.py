@@ -15,6 +15,7 @@ plain checkpoint that stock transformers loads.
 from __future__ import annotations
 
 import copy
+import ctypes
 import json
 import os
 import shutil
@@ -86,22 +87,42 @@ def structure(model: nn.Module) -> dict:
     return {"modules": modules, "module_aliases": aliases}
 
 
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one atomic step (Linux renameat2 with RENAME_EXCHANGE); False where
+    the system or file system cannot."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+
+
 @contextmanager
 def atomic_dir(target: str | Path) -> Iterator[Path]:
-    """Yield a temporary folder that replaces ``target`` only if the block succeeds."""
+    """Yield a temporary folder that replaces ``target`` only if the block succeeds.
+
+    An existing ``target`` is swapped with the finished folder in one atomic step where the
+    system allows it; elsewhere it is renamed aside only once the new one is complete, and put
+    back if the new one cannot take its place, so a reader never finds neither.
+    """
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         yield tmp
-        if target.exists():
-            old = target.with_name(f".{target.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            target.rename(old)
+        if not target.exists():
             tmp.rename(target)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(target)
+        elif not _exchange(tmp, target):  # after an exchange tmp holds the old output: removed below
+            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old.", dir=target.parent))
+            target.rename(old / target.name)
+            try:
+                tmp.rename(target)
+            except BaseException:
+                (old / target.name).rename(target)
+                raise
+            finally:
+                shutil.rmtree(old, ignore_errors=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

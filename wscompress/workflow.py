@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Literal
 
 import torch
 from torch import nn
@@ -65,6 +66,29 @@ class Context:
         return calibrate.collect_grams(model, self.calibration(), names)
 
 
+Section = Literal["calibration", "finetune", "eval"]
+
+
+def preflight(recipe: Recipe, sections: set[Section]) -> None:
+    """Check what a step will need before it spends any time: the output folder, every text
+    source of ``sections`` and every lm-eval task and task data file the recipe names."""
+    out = recipe.out
+    for p in (out, *out.parents):
+        if p.exists() and not p.is_dir():
+            raise UsageError(f"output.dir: {p} is a file, not a folder", f"choose another output folder than {out} (-o DIR)")
+    if "calibration" in sections:
+        data.check_source(recipe.calibration.dataset, "calibration.dataset")
+    if "finetune" in sections and recipe.finetune is not None and recipe.finetune.enabled:
+        data.check_source(recipe.finetune.dataset, "finetune.dataset")
+    if "eval" in sections or "finetune" in sections:  # finetune evaluates on the first eval source
+        for source in recipe.eval.perplexity:
+            data.check_source(source, "eval.perplexity")
+    if "eval" in sections and (recipe.eval.tasks or recipe.eval.task_data):
+        from .evaluate.lmeval import task_specs
+
+        task_specs(recipe.eval.tasks, recipe.eval.task_data)
+
+
 def stats_path(recipe: Recipe) -> Path:
     return recipe.out / "calibration.safetensors"
 
@@ -104,6 +128,7 @@ def step_calibrate(recipe: Recipe) -> dict:
     """Collect input Gram matrices of every decoder-layer linear and save them for `compress`."""
     from .arch import discover
 
+    preflight(recipe, {"calibration"})
     model, tokenizer = load_model(recipe.model)
     arch = discover(model)
     names = [n for i in range(arch.num_layers) for n in arch.projections(i).values()]
@@ -121,6 +146,7 @@ def step_calibrate(recipe: Recipe) -> dict:
 def step_compress(recipe: Recipe) -> dict:
     if not recipe.compress:
         raise UsageError(f"{recipe.source or 'recipe'}: compress: no stages", "add e.g. '- method: svd' with its options")
+    preflight(recipe, {"calibration"})
     model, tokenizer = load_model(recipe.model)
     original = storage.stats(model)
     rows = apply_stages(model, tokenizer, recipe)
@@ -138,6 +164,7 @@ def step_finetune(recipe: Recipe, resume: bool = False) -> dict:
 
     if recipe.finetune is None or not recipe.finetune.enabled:
         raise UsageError(f"{recipe.source or 'recipe'}: no finetune section", "add 'finetune:' with e.g. steps: 100")
+    preflight(recipe, {"finetune"})
     model, tokenizer = load_model(_trained_model_config(recipe))
     model, out = finetune(model, tokenizer, recipe, resume=resume)
     out["saved"] = storage.save(model, tokenizer, model_path(recipe), {"recipe": recipe_dict(recipe), "finetune": out})
@@ -171,6 +198,7 @@ def evaluate(model: nn.Module, tokenizer, recipe: Recipe) -> dict:
 
 def step_eval(recipe: Recipe, path: str | None = None) -> dict:
     """Evaluate the run's model (or ``path``) and, when it differs, the original checkpoint."""
+    preflight(recipe, {"eval"})
     cfg = _trained_model_config(recipe, path)
     runs = {"model": cfg} if cfg == recipe.model else {"original": recipe.model, "compressed": cfg}
     results = {}
@@ -178,7 +206,8 @@ def step_eval(recipe: Recipe, path: str | None = None) -> dict:
         model, tokenizer = load_model(mcfg)
         results[label] = evaluate(model, tokenizer, recipe)
         del model
-    rows = [{"model": label, "source": src, **{k: r["perplexity"][src][k] for k in ("ppl", "tokens", "bos", "tokens_per_s")},
+    rows = [{"model": label, "source": data.source_label(src),
+             **{k: r["perplexity"][src][k] for k in ("ppl", "tokens", "bos", "tokens_per_s")},
              "params": r["params"]} for label, r in results.items() for src in r["perplexity"]]
     out = {"results": rows, "details": results}
     tasks = [{"model": label, "task": task, **metrics} for label, r in results.items() for task, metrics in r.get("tasks", {}).items()]
@@ -198,6 +227,7 @@ def step_eval(recipe: Recipe, path: str | None = None) -> dict:
 
 def step_run(recipe: Recipe) -> dict:
     """The whole recipe: compress (if stages), finetune (if a section), eval, bench (if a section)."""
+    preflight(recipe, {"calibration", "finetune", "eval"})
     out = {}
     if recipe.compress:
         out["compress"] = step_compress(recipe)

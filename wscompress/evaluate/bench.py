@@ -133,8 +133,9 @@ def comparison_rows(results: dict[str, dict]) -> list[dict]:
 
 def step_bench(recipe: Recipe) -> dict:
     """Benchmark the recipe's model and, when ``compress`` wrote one, ``<output>/model``."""
-    from ..workflow import model_path
+    from ..workflow import model_path, preflight
 
+    preflight(recipe, set())
     cfg = recipe.bench or BenchConfig()
     models = {"original": recipe.model}
     if storage.is_compressed(model_path(recipe)):
