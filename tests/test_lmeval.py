@@ -73,3 +73,31 @@ def test_samples_are_greedy_and_deterministic(tokenizer):
     a = generate_samples(model, tokenizer, ["def f(x):", "Hello"], max_new_tokens=6)
     assert a == generate_samples(model, tokenizer, ["def f(x):", "Hello"], max_new_tokens=6)
     assert len(tokenizer(a[0]["completion"], add_special_tokens=False).input_ids) <= 8
+
+
+SUMMARY = "wscompress_summarization"
+
+
+def test_rouge_l_of_the_summarization_task():
+    from wscompress.tasks.summarization import process_results
+
+    doc = {"summary": "the bridge will close to cars next spring"}
+    assert process_results(doc, [" the bridge will close to cars next spring\n"])["rougeL"] == pytest.approx(1.0)
+    # LCS "the bridge close" = 3 words of 8 (reference) and 4 (prediction): F1 = 2PR/(P+R)
+    assert process_results(doc, ["the old bridge closed"])["rougeL"] == pytest.approx(2 * 3 / 4 * 3 / 8 / (3 / 4 + 3 / 8))
+    assert process_results(doc, ["seals on sandbanks"])["rougeL"] == 0.0
+
+
+def test_summarization_task_runs_offline_and_scores_generations(tokenizer, tmp_path, monkeypatch):
+    """The shipped generation task on a fixture passed through task_data: a real (tiny) model
+    generates and is scored; a generator that returns the references scores ROUGE-L 1."""
+    from lm_eval.models.huggingface import HFLM
+
+    sample = shipped_tasks()[SUMMARY].with_name("summarization_sample.jsonl")
+    fixture = tmp_path / "articles.jsonl"
+    fixture.write_text("\n".join(sample.read_text().splitlines()[:3]) + "\n")
+    out = run_tasks(tiny_model("llama"), tokenizer, [SUMMARY], task_data={SUMMARY: str(fixture)})
+    assert out[SUMMARY]["sample_len"] == 3 and 0 <= out[SUMMARY]["rougeL"] <= 1
+    monkeypatch.setattr(HFLM, "generate_until", lambda self, requests, disable_tqdm=False: [r.doc["summary"] for r in requests])
+    out = run_tasks(tiny_model("llama"), tokenizer, [SUMMARY], task_data={SUMMARY: str(fixture)})
+    assert out[SUMMARY]["rougeL"] == pytest.approx(1.0)

@@ -64,8 +64,9 @@ def run_row(run: Path) -> dict:
         elif r["model"] == "original":
             row[f"original ppl {source}"] = r["ppl"]
     for t in evaluation.get("tasks", []):
-        if t["model"] == label and "acc" in t:
-            row[f"acc {t['task']}"] = t["acc"]
+        for metric in ("acc", "rougeL"):  # classification and generation (summarization) tasks
+            if t["model"] == label and metric in t:
+                row[f"{metric} {t['task']}"] = t[metric]
     bench = _read(run, "bench")
     for b in (bench or {}).get("table", []):
         if b["measure"].startswith(("prefill", "decode")) and b.get("compressed/original") is not None:
