@@ -45,7 +45,7 @@ def sklearn_comparison(model, bits: int) -> list[dict]:
     from sklearn.cluster import KMeans
 
     from wscompress.arch import get_module
-    from wscompress.methods.kmeans import cluster
+    from wscompress.clustering import cluster
 
     rows = []
     for name in MATRICES:

@@ -15,7 +15,8 @@ from wscompress.errors import UsageError
 from wscompress.evaluate.perplexity import perplexity
 from wscompress.finetune import finetune
 from wscompress.methods.dkm import DKMLinear, parse_options, prepare_dkm
-from wscompress.methods.kmeans import PalettizedLinear, centroid_means, nearest
+from wscompress.clustering import centroid_means, nearest
+from wscompress.methods.kmeans import PalettizedLinear
 from wscompress.recipe import load_recipe
 
 
@@ -100,7 +101,8 @@ def test_dkm_training_beats_post_training_kmeans(tokenizer, tmp_path):
     ppl = lambda m: perplexity(m, ids, 64, max_windows=16)["ppl"]
     model, _ = finetune(tiny_model("llama"), tokenizer, _recipe("full", 120, 3e-3))  # a real (tiny) LM first
     ptq = copy.deepcopy(model)
-    (ptq_report,) = wscompress.compress(ptq, [{"method": "kmeans", "bits": 2}])
+    (ptq_report,) = wscompress.compress(ptq, [{"method": "kmeans", "bits": 2, "sensitivity": "none", "error_feedback": False,
+                                               "outliers": 0}])
     dkm, report = finetune(copy.deepcopy(model), tokenizer, _recipe("dkm", 40, 1e-3, dkm={"bits": 2}))
     layers = [m for m in dkm.modules() if isinstance(m, PalettizedLinear)]
     assert len(layers) == ptq_report["layers"] and all(m.bits == 2 for m in layers)

@@ -13,12 +13,16 @@ from conftest import REPO, tiny_model
 import wscompress
 from wscompress import storage
 from wscompress.errors import UsageError
-from wscompress.methods import kmeans
-from wscompress.methods.kmeans import PalettizedLinear, cluster
+from wscompress import clustering
+from wscompress.clustering import cluster
+from wscompress.methods.kmeans import PalettizedLinear
 from wscompress.recipe import load_recipe
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")
+# the data-free path: plain k-means, nearest centroids, nothing aside, fp32 codebooks
+FAST = {"sensitivity": "none", "error_feedback": False, "outliers": 0, "codebook_dtype": "float32"}
+CALIB = {"dataset": "pydoc", "num_samples": 8, "seq_len": 64, "batch_size": 4}
+
 
 def naive_kmeans(x: np.ndarray, k: int, seeds: int = 5, iters: int = 300) -> float:
     """Reference: plain Lloyd over every point (k-means++ seeding), best of several seeds; MSE."""
@@ -73,7 +77,7 @@ def test_vector_clustering_matches_naive_and_chunking_changes_nothing(monkeypatc
     ours = mse(w, 3, n_init=5)
     assert ours <= naive_kmeans(w[0].numpy().astype(np.float64), 8, seeds=5) * 1.03
     full = cluster(w, 3)
-    monkeypatch.setattr(kmeans, "CHUNK_ELEMENTS", 64)  # 8 points per distance chunk
+    monkeypatch.setattr(clustering, "CHUNK_ELEMENTS", 64)  # 8 points per distance chunk
     chunked = cluster(w, 3)
     assert torch.equal(full[1], chunked[1]) and torch.allclose(full[0], chunked[0])
 
@@ -100,6 +104,36 @@ def test_restarts_pick_the_best_run(groups):
     assert mse(w, 4, n_init=8) <= mse(w, 4, n_init=1) * 1.001  # (per tensor: chosen on the histogram)
 
 
+def test_weighted_kmeans_lowers_the_weighted_error():
+    """Sensitivity weights pull centroids toward the weights that matter: their weighted error
+    falls below plain k-means' (which minimises the unweighted one), per tensor and per channel."""
+    w = laplace(4, 2000, 1, seed=5)
+    sens = torch.from_numpy((1 + 100 * (np.random.default_rng(6).random((4, 2000)) < 0.02)).astype(np.float32))
+    for groups, s in ((w, sens), (w.reshape(1, -1, 1), sens.reshape(1, -1))):
+        def weighted_error(codebook, idx):
+            return ((torch.gather(codebook[..., 0], 1, idx) - groups[..., 0]) ** 2 * s).sum().item()
+        assert weighted_error(*cluster(groups, 3, weights=s)) < 0.9 * weighted_error(*cluster(groups, 3))
+
+
+@pytest.mark.parametrize("d", [1, 2])
+def test_error_feedback_lowers_the_layer_output_error(d):
+    """GPTQ-style assignment with the codebook fixed: on correlated inputs the output error
+    ||(W - Q) X|| falls well below nearest-centroid assignment's (inputs of low effective rank, as
+    LLM activations are); weights kept exact get finite values."""
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(512, 16, generator=gen) @ torch.randn(16, 64, generator=gen) + 0.1 * torch.randn(512, 64, generator=gen)
+    w = laplace(32, 64, seed=8)
+    codebook, idx = cluster(w.view(32, -1, d), 2)
+    gram = x.T.double() @ x.double()
+    err = lambda i: ((w - torch.gather(codebook, 1, i[..., None].expand(-1, -1, d)).reshape(32, 64)) @ x.T).norm()
+    fed, _ = clustering.assign(w, codebook, 1, gram)
+    assert err(fed) < 0.8 * err(idx)
+    exact = torch.zeros_like(w, dtype=torch.bool)
+    exact[3, 5] = exact[10, 60] = True
+    _, values = clustering.assign(w, codebook, 1, gram, exact)
+    assert values.shape == (2,) and torch.isfinite(values).all()
+
+
 def _outputs(model, x):
     with torch.no_grad():
         return model(input_ids=x).logits
@@ -120,17 +154,17 @@ def _check_file_size(path, model):
 
 @pytest.mark.parametrize("stage", [
     {"bits": 4},
-    {"bits": 3, "granularity": "per_channel"},
+    {"bits": 3, "granularity": "per_tensor", **FAST},
     {"bits": 2, "granularity": "grouped", "group_size": 16},
     {"bits": 4, "cluster_dim": 2},
-    {"bits": 3, "entropy_coding": True},
-    {"bits": 5, "granularity": "per_channel", "entropy_coding": True, "cluster_dim": 4},
+    {"bits": 3, "entropy_coding": True, **FAST},
+    {"bits": 5, "granularity": "per_channel", "entropy_coding": True, "cluster_dim": 4, "outliers": 0.01},
 ])
 def test_stage_save_load_identical_outputs_and_honest_size(stage, tokenizer, tmp_path):
     model = tiny_model("llama")
     x = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0))
     dense = _outputs(model, x)
-    (report,) = wscompress.compress(model, [{"method": "kmeans", **stage}])
+    (report,) = wscompress.compress(model, [{"method": "kmeans", **stage}], tokenizer, CALIB)
     pal = [m for m in model.modules() if isinstance(m, PalettizedLinear)]
     assert len(pal) == 4 * 7 == report["layers"]
     out = _outputs(model, x)
@@ -140,12 +174,14 @@ def test_stage_save_load_identical_outputs_and_honest_size(stage, tokenizer, tmp
     assert torch.equal(_outputs(loaded, x), out)
     _check_file_size(tmp_path / "m", loaded)
     d = stage.get("cluster_dim", 1)
+    value_bits = 32 if stage.get("codebook_dtype") == "float32" else 16
     for row, layer in zip(report["per_layer"], pal):
         n = layer.in_features * layer.out_features
-        codebook_bits = 32 * layer.codebook.numel()
+        assert layer.outliers == round(stage.get("outliers", 0.0025) * n)
+        codebook_bits = value_bits * layer.codebook.numel() + (value_bits + 32) * layer.outliers
         if stage.get("entropy_coding"):
             assert row["entropy_bits"] <= row["huffman_bits"] < row["entropy_bits"] + 1
-        else:  # exactly bits per index plus the fp32 codebooks
+        else:  # exactly bits per index plus the codebooks and the weights kept aside
             assert row["bits_per_weight"] == pytest.approx(stage["bits"] / d + codebook_bits / n)
     if stage.get("entropy_coding"):
         assert report["entropy_bits"] <= report["huffman_bits"] < report["entropy_bits"] + 1
@@ -156,7 +192,7 @@ def test_stage_save_load_identical_outputs_and_honest_size(stage, tokenizer, tmp
 def test_report_formula_and_errors():
     model = tiny_model("llama")
     q = model.model.layers[0].self_attn.q_proj.weight.detach().clone()
-    (report,) = wscompress.compress(model, [{"method": "kmeans", "bits": 4, "granularity": "per_tensor",
+    (report,) = wscompress.compress(model, [{"method": "kmeans", "bits": 4, "granularity": "per_tensor", **FAST,
                                               "targets": [r"layers\.0\.self_attn\.q_proj"]}])
     (row,) = report["per_layer"]
     n = q.numel()
@@ -173,7 +209,7 @@ def test_default_is_one_codebook_per_output_channel():
 
     assert KMeansConfig().granularity == DKMOptions().granularity == "per_channel"
     model = tiny_model("llama")
-    wscompress.compress(model, [{"method": "kmeans", "targets": [r"layers\.0\.self_attn\.q_proj"]}])
+    wscompress.compress(model, [{"method": "kmeans", **FAST, "targets": [r"layers\.0\.self_attn\.q_proj"]}])
     assert model.model.layers[0].self_attn.q_proj.codebook.shape == (64, 16, 1)
 
 
@@ -181,7 +217,8 @@ def test_per_channel_centroids_follow_their_rows():
     model = tiny_model("llama")
     layer = model.model.layers[1].mlp.down_proj
     w = layer.weight.detach().clone()
-    wscompress.compress(model, [{"method": "kmeans", "bits": 2, "granularity": "per_channel", "targets": ["layers.1.mlp.down_proj"]}])
+    wscompress.compress(model, [{"method": "kmeans", "bits": 2, "granularity": "per_channel", **FAST,
+                                 "targets": ["layers.1.mlp.down_proj"]}])
     pal = model.model.layers[1].mlp.down_proj
     assert pal.codebook.shape == (64, 4, 1)
     rebuilt = pal.dense_weight()
@@ -194,7 +231,9 @@ def test_gpt2_conv1d_and_untied_lm_head(tokenizer, tmp_path):
     for kind, targets in (("gpt2", []), ("llama_mha", ["lm_head", r"mlp\."])):
         model = tiny_model(kind)
         x = torch.randint(0, 512, (1, 16))
-        (report,) = wscompress.compress(model, [{"method": "kmeans", "bits": 6, "targets": targets}])
+        (report,) = wscompress.compress(model, [{"method": "kmeans", "bits": 6, "targets": targets}], tokenizer, CALIB)
+        # lm_head lies outside the decoder layers that calibration covers: clustered without statistics
+        assert report["without_statistics"] == (["lm_head"] if kind == "llama_mha" else [])
         storage.save(model, tokenizer, tmp_path / kind)
         loaded, _ = storage.load(tmp_path / kind)
         assert torch.equal(_outputs(loaded, x), _outputs(model, x))
@@ -203,7 +242,7 @@ def test_gpt2_conv1d_and_untied_lm_head(tokenizer, tmp_path):
 
 def test_finetune_method_mode_trains_the_centroids():
     model = tiny_model("llama")
-    wscompress.compress(model, [{"method": "kmeans", "bits": 2}])
+    wscompress.compress(model, [{"method": "kmeans", "bits": 2, **FAST}])
     layer = model.model.layers[0].mlp.up_proj
     assert list(layer.trainable_parameters()) == [layer.codebook]
 
@@ -226,7 +265,7 @@ def test_bad_shapes_refused_before_anything_changes(stage, match):
     model = tiny_model("llama")
     before = {n: p.clone() for n, p in model.state_dict().items()}
     with pytest.raises(UsageError, match=match) as err:
-        wscompress.compress(model, [{"method": "kmeans", **stage}])
+        wscompress.compress(model, [{"method": "kmeans", **FAST, **stage}])
     assert err.value.fix
     assert not any(isinstance(m, PalettizedLinear) for m in model.modules())
     assert all(torch.equal(before[n], p) for n, p in model.state_dict().items())
@@ -247,7 +286,8 @@ def test_dense_export_loads_in_stock_transformers(tokenizer, tmp_path):
     from transformers import AutoModelForCausalLM
 
     model = tiny_model("llama")
-    wscompress.compress(model, [{"method": "kmeans", "bits": 3, "granularity": "per_channel", "entropy_coding": True}])
+    wscompress.compress(model, [{"method": "kmeans", "bits": 3, "granularity": "per_channel", "entropy_coding": True}],
+                        tokenizer, CALIB)
     storage.export_dense(model, tokenizer, tmp_path / "dense")
     dense = AutoModelForCausalLM.from_pretrained(tmp_path / "dense").eval()
     x = torch.randint(0, 512, (1, 16))

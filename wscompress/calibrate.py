@@ -23,7 +23,7 @@ from torch import nn
 from transformers.cache_utils import Cache
 
 from . import ui
-from .arch import Arch, discover, get_module, is_linear, weight_of
+from .arch import Arch, discover, first_names, get_module, is_linear, weight_of
 from .errors import UsageError
 from .model import model_device
 
@@ -226,6 +226,19 @@ def collect_grams(model: nn.Module, batches: list[torch.Tensor], names: list[str
         raise UsageError(f"calibration covers decoder-layer linears only; {outside[0]} is outside the layers",
                          "drop it from the stage's targets")
     return grams, owner
+
+
+def shared_grams(model: nn.Module, names: list[str], grams: dict[str, torch.Tensor], owner: dict[str, str]) -> dict[str, torch.Tensor]:
+    """First name -> the Gram matrix of every use of that module: the sum over all the names
+    that reach it (a module an earlier stage, e.g. cross_layer, shares between layers is fed
+    by each of them)."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[tuple[str, str]] = set()
+    for name, first in first_names(model, names).items():
+        if (first, owner[name]) not in seen:  # q/k/v of one layer read one Gram: count it once
+            seen.add((first, owner[name]))
+            out[first] = out[first] + grams[owner[name]] if first in out else grams[owner[name]]
+    return out
 
 
 def fingerprint(model: nn.Module) -> str:

@@ -37,19 +37,17 @@ from torch.utils.checkpoint import checkpoint
 
 from .. import ui
 from ..arch import Conv1D, replace_everywhere, weight_of
+from ..clustering import Init, centroid_means, cluster, nearest
 from ..errors import UsageError
 from ..recipe import Strict, _format_errors
 from .kmeans import (
-    Init,
+    CodebookDtype,
     KMeansConfig,
     PalettizedLinear,
-    centroid_means,
     check_layer,
-    cluster,
     dequantize,
     group_size_of,
     layer_report,
-    nearest,
     summarize,
     target_layers,
 )
@@ -69,6 +67,7 @@ class DKMOptions(Strict):
                                                      "relative to the centroid spacing")
     chunk_size: int = Field(1 << 22, gt=0, description="attention entries computed at once")
     entropy_coding: bool = False
+    codebook_dtype: CodebookDtype = "float16"
     targets: list[str] = Field(default_factory=list)
     ignore: list[str] = Field(default_factory=list)
     seed: int = 0
@@ -76,7 +75,8 @@ class DKMOptions(Strict):
     def kmeans(self) -> KMeansConfig:
         """The equivalent ``kmeans`` stage (initial clustering, checks and final format)."""
         return KMeansConfig(**self.model_dump(include={"bits", "granularity", "group_size", "cluster_dim", "init",
-                                                       "entropy_coding", "targets", "ignore", "seed"}))
+                                                       "entropy_coding", "codebook_dtype", "targets", "ignore", "seed"}),
+                            sensitivity="none", error_feedback=False, outliers=0)
 
 
 def _attention(points: torch.Tensor, centroids: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
@@ -198,7 +198,8 @@ def prepare_dkm(model: nn.Module, options: dict) -> tuple[list[nn.Parameter], li
         rows = []
         for name, layer in wrapped.items():
             codebook, idx = layer.snap()
-            pal = PalettizedLinear.from_clusters(codebook.detach(), idx, layer.bias, opts.entropy_coding, layer.conv1d)
+            pal = PalettizedLinear.from_clusters(codebook.detach(), idx, layer.bias, opts.entropy_coding, layer.conv1d,
+                                                 opts.codebook_dtype)
             rows.append(layer_report(name, layer.weight, pal))
             replace_everywhere(model, layer, pal)
         return {"dkm": {**summarize(rows, opts.bits), "per_layer": rows}}

@@ -2,17 +2,14 @@
 sub-vector of a row, is replaced by the nearest of K = 2^bits centroids; a layer stores
 bit-packed indices plus the codebook (optionally Huffman-coded on disk).
 
-Scalar clustering is 1-D k-means. It runs on sorted values with prefix sums, so one Lloyd
-iteration costs O(K log m) (binary-search the cluster boundaries, read the cluster sums off
-the prefix sums) instead of O(m K). Per-tensor clustering first folds the weights into a
-histogram in O(n) (bins of float16 resolution, each keeping the exact mean of its weights) and
-runs its k-means++ restarts side by side on it, so a whole matrix clusters in milliseconds;
-per-channel and grouped clustering run all codebooks of a matrix as one batch. Vector
-clustering (``cluster_dim`` > 1) is batched Lloyd with the distance matrix computed in
-bounded chunks, refit on the exact points at the end.
-
-A group with fewer distinct values than K gets fewer distinct centroids: every distinct value
-becomes a centroid (zero error) and the unused codebook entries repeat used ones.
+By default the clustering is told what matters (``sensitivity: activation``): each weight's
+squared error counts with the energy of its input (the diagonal of the layer's input Gram
+matrix from calibration), the indices are chosen with error feedback so that the layer's
+output error, not the weights', is minimised (``error_feedback``; see ``clustering.assign``),
+a small fraction of the most sensitive weights is kept aside in fp16 (``outliers``: the
+dense-and-sparse split of SqueezeLLM) and codebooks are stored in fp16. With
+``sensitivity: none`` and ``error_feedback: false`` it needs no calibration data at all (the
+fast path). The k-means algorithms themselves are in ``wscompress/clustering.py``.
 """
 
 from __future__ import annotations
@@ -30,6 +27,8 @@ from torch import nn
 
 from .. import ui
 from ..arch import LINEAR_TYPES, Conv1D, discover, distinct, match_modules, replace_everywhere, weight_of
+from ..calibrate import shared_grams
+from ..clustering import Init, assign, cluster
 from ..errors import UsageError
 from ..modules import CompressedLinear, register_module
 from ..packing import (
@@ -45,9 +44,7 @@ from ..packing import (
 from ..recipe import StageConfig
 from . import register
 
-Init = Literal["kmeans++", "linear", "density"]
-CHUNK_ELEMENTS = 1 << 22
-SHIFT = 13  # float32 histogram: drop 13 low mantissa bits -> 2^19 bins as fine as float16's  # distance-matrix entries computed at once by vector clustering
+CodebookDtype = Literal["float16", "bfloat16", "float32"]
 
 
 class KMeansConfig(StageConfig):
@@ -63,199 +60,25 @@ class KMeansConfig(StageConfig):
                                "scalar per_tensor, where they run on the histogram; 1 otherwise)")
     iterations: int = Field(300, gt=0, description="maximum Lloyd iterations (stops earlier when converged)")
     entropy_coding: bool = Field(False, description="store indices Huffman-coded on disk")
+    sensitivity: Literal["activation", "none"] = Field("activation", description="weigh each weight's error by its "
+                                                       "input's energy (calibration Gram diagonal), or not")
+    error_feedback: bool = Field(True, description="choose indices column by column, pushing each column's error "
+                                                   "onto the next ones through the inverse Gram matrix (GPTQ)")
+    damp: float = Field(0.01, gt=0, description="error feedback: Gram dampening, relative to its mean diagonal")
+    outliers: float = Field(0.0025, ge=0, lt=0.5, description="fraction of the most sensitive weights kept aside "
+                                                              "in a sparse fp16 tensor instead of the codebook")
+    codebook_dtype: CodebookDtype = Field("float16", description="dtype the codebooks (and outliers) are stored in")
     seed: int = 0
+
+    @property
+    def needs_statistics(self) -> bool:
+        return self.sensitivity != "none" or self.error_feedback
 
     @model_validator(mode="after")
     def _group_size(self) -> KMeansConfig:
         if (self.granularity == "grouped") != (self.group_size is not None):
             raise ValueError("group_size is required with granularity: grouped and only allowed with it")
         return self
-
-
-# ----------------------------------------------------------------------------- clustering
-
-def _sample(p: torch.Tensor, gen: torch.Generator, count: int = 1) -> torch.Tensor:
-    """``count`` indices per row of p (B, m), drawn with probability proportional to p
-    (inverse CDF; a row of zeros picks its last point)."""
-    cdf = p.cumsum(1)
-    u = torch.rand(p.shape[0], count, generator=gen, device=p.device, dtype=cdf.dtype) * cdf[:, -1:]
-    return torch.searchsorted(cdf, u, right=True).clamp_max(p.shape[1] - 1)
-
-
-def _kmeans_pp(points: torch.Tensor, weights: torch.Tensor, k: int, gen: torch.Generator, trials: int = 1) -> torch.Tensor:
-    """k-means++ seeding, batched: points (B, m, d), weights (B, m) -> centroids (B, k, d).
-
-    With ``trials`` > 1 each step draws that many candidates and keeps the one that lowers
-    the potential most (greedy k-means++, as scikit-learn does). A group whose points are all
-    centroids already draws duplicates (never NaN).
-    """
-    b = torch.arange(points.shape[0], device=points.device)
-    centroids = [points[b, _sample(weights, gen)[:, 0]]]
-    d2 = ((points - centroids[0][:, None]) ** 2).sum(-1)
-    for _ in range(1, k):
-        cand = points[b[:, None], _sample(d2 * weights, gen, trials)]  # (B, trials, d)
-        new = torch.minimum(d2[:, None], ((points[:, None] - cand[:, :, None]) ** 2).sum(-1))  # (B, trials, m)
-        best = (new * weights[:, None]).sum(-1).argmin(1)
-        centroids.append(cand[b, best])
-        d2 = new[b, best]
-    return torch.stack(centroids, 1)
-
-
-def _init(points: torch.Tensor, weights: torch.Tensor, k: int, init: Init, gen: torch.Generator,
-          trials: int = 1) -> torch.Tensor:
-    """Initial centroids (B, k, d). linear: evenly spaced between the per-coordinate min and
-    max; density: per-coordinate weighted quantiles (equal mass per centroid)."""
-    if init == "kmeans++":
-        return _kmeans_pp(points, weights, k, gen, trials)
-    if init == "linear":
-        lo, hi = points.amin(1), points.amax(1)
-        t = torch.linspace(0, 1, k, device=points.device, dtype=points.dtype)
-        return lo[:, None] + t[None, :, None] * (hi - lo)[:, None]
-    sorted_pts, order = points.sort(1)
-    cdf = torch.gather(weights[..., None].expand_as(points), 1, order).cumsum(1)
-    q = (torch.arange(k, device=points.device, dtype=cdf.dtype)[None, :, None] + 0.5) / k * cdf[:, -1:]
-    pos = torch.searchsorted(cdf.transpose(1, 2).contiguous(), q.transpose(1, 2).contiguous())
-    return torch.gather(sorted_pts, 1, pos.clamp_max(points.shape[1] - 1).transpose(1, 2))
-
-
-def _lloyd_1d(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor, iterations: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Weighted Lloyd on sorted values x (B, m) from centroids c (B, k).
-
-    Returns (sorted centroids, weighted SSE per group). Each iteration finds the cluster
-    boundaries by binary search and the cluster sums from prefix sums (float64), so it
-    costs O(k log m), not O(k m). Stops when no centroid moves by 1e-7 of the value range.
-    """
-    zero = torch.zeros(x.shape[0], 1, dtype=torch.float64, device=x.device)
-    xd, wd = x.double().contiguous(), w.double()
-    cw, cs, cq = (torch.cat([zero, t.cumsum(1)], 1) for t in (wd, wd * xd, wd * xd * xd))
-    edge = torch.full_like(zero, x.shape[1], dtype=torch.long)
-
-    def segments(c: torch.Tensor, *tables: torch.Tensor) -> list[torch.Tensor]:  # per-cluster sums
-        mids = ((c[:, 1:] + c[:, :-1]) / 2).contiguous()
-        bounds = torch.cat([torch.zeros_like(edge), torch.searchsorted(xd, mids), edge], 1)
-        lo, hi = bounds[:, :-1], bounds[:, 1:]
-        return [t.gather(1, hi) - t.gather(1, lo) for t in tables]
-
-    c = c.double().sort(1).values
-    tol = 1e-7 * (xd[:, -1] - xd[:, 0]).max()
-    for _ in range(iterations):
-        sw, ss = segments(c, cw, cs)
-        new = torch.where(sw > 0, ss / sw.clamp_min(1e-300), c).sort(1).values  # empty cluster: keep
-        moved = (new - c).abs().max()
-        c = new
-        if moved <= tol:
-            break
-    sw, ss, sq = segments(c, cw, cs, cq)
-    sse = (sq - 2 * c * ss + c * c * sw).sum(1)
-    return c.to(x.dtype), sse
-
-
-def _nearest(points: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
-    """Index of the nearest centroid for points (B, m, d), centroids (B, k, d), in chunks."""
-    b = points.shape[0]
-    step = max(1, CHUNK_ELEMENTS // (b * centroids.shape[1]))
-    c2 = (centroids ** 2).sum(-1)[:, None]
-    out = []
-    for p in points.split(step, 1):
-        out.append(torch.baddbmm(c2, p, centroids.transpose(1, 2), alpha=-2).argmin(-1))
-    return torch.cat(out, 1)
-
-
-def _lloyd_nd(points: torch.Tensor, c: torch.Tensor, iterations: int) -> torch.Tensor:
-    """Lloyd for vectors, batched over groups, chunked over points. Each iteration costs
-    O(m K d), so it stops once fewer than 1 in 10 000 points change cluster."""
-    prev = None
-    for _ in range(iterations):
-        assign = _nearest(points, c)
-        if prev is not None and (assign != prev).sum() * 10_000 < assign.numel():
-            break
-        c = centroid_means(points, assign, c)
-        prev = assign
-    return c
-
-
-def centroid_means(points: torch.Tensor, assign: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """Centroids = means of their assigned points (an empty cluster keeps its centroid)."""
-    sums = torch.zeros_like(c, dtype=torch.float64).scatter_add_(1, assign[..., None].expand_as(points), points.double())
-    counts = torch.zeros(c.shape[:2], dtype=torch.float64, device=c.device).scatter_add_(
-        1, assign, torch.ones_like(assign, dtype=torch.float64))
-    return torch.where(counts[..., None] > 0, sums / counts.clamp_min(1)[..., None], c.double()).to(c.dtype)
-
-
-def _histogram(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fold values (n,) into bins: (bin means, counts), sorted by value, in O(n) (no sort).
-
-    The bin is the value's bit pattern made monotone (negatives' magnitude bits flipped):
-    exact for 16-bit floats (65 536 bins), the top 19 bits for float32 (bins of relative width
-    2^-10). Each bin keeps the exact mean of its values, so Lloyd on the bins only differs
-    from Lloyd on every weight where a cluster boundary cuts through a bin.
-    """
-    if values.element_size() == 2:
-        bits = values.view(torch.int16).to(torch.int32)
-        key = torch.where(bits < 0, bits ^ 0x7FFF, bits) + (1 << 15)
-        size = 1 << 16
-    else:
-        bits = values.float().view(torch.int32)
-        key = (torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits) >> SHIFT) + (1 << (31 - SHIFT))
-        size = 1 << (32 - SHIFT)
-    counts = torch.bincount(key, minlength=size)
-    sums = torch.bincount(key, weights=values.double(), minlength=size)
-    used = counts > 0
-    return (sums[used] / counts[used]).float(), counts[used].float()
-
-
-def _best(candidates: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """Per group, the centroids of the restart with the lowest error."""
-    cs = torch.stack([c for c, _ in candidates])
-    pick = torch.stack([e for _, e in candidates]).argmin(0)
-    return cs[pick, torch.arange(cs.shape[1], device=cs.device)]
-
-
-def cluster(groups: torch.Tensor, bits: int, init: Init = "kmeans++", iterations: int = 300,
-            n_init: int | None = None, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """k-means of each group of d-long points: groups (B, m, d) -> (codebooks (B, K, d),
-    indices (B, m)), on the groups' device; the best of ``n_init`` restarts (default 3 for
-    one scalar group, where restarts are cheap, else 1).
-
-    Scalars: per tensor on the histogram (whose bins keep exact means), per channel or group
-    on the sorted values of all groups at once.
-    """
-    b, m, d = groups.shape
-    k = 2 ** bits
-    n_init = n_init or (3 if b == d == 1 else 1)
-    gen = torch.Generator(device=groups.device).manual_seed(seed)
-    if d == 1:
-        if b == 1:  # restarts run side by side as a batch on the histogram
-            x, w = (t[None].expand(n_init, -1) for t in _histogram(groups.reshape(-1)))
-            greedy = 2 + int(math.log(k))  # cheap on the histogram
-            runs, sse = _lloyd_1d(x, w, _init(x[..., None], w, k, init, gen, greedy)[..., 0], iterations)
-            c = runs[sse.argmin()][None]
-        else:
-            x = groups[..., 0].float().sort(1).values
-            w = torch.ones_like(x)
-            c = _best([_lloyd_1d(x, w, _init(x[..., None], w, k, init, gen)[..., 0], iterations) for _ in range(n_init)])
-        c = c.to(groups.dtype)[..., None]
-        return c, nearest(groups, c)
-    groups = groups.float()
-    ones = torch.ones(b, m, dtype=groups.dtype, device=groups.device)
-    runs = []
-    for _ in range(n_init):
-        c = _lloyd_nd(groups, _init(groups, ones, k, init, gen), iterations)
-        c = centroid_means(groups, _nearest(groups, c), c)
-        assign = _nearest(groups, c)
-        runs.append((c, ((groups - torch.gather(c, 1, assign[..., None].expand(-1, -1, d))) ** 2).sum((1, 2))))
-    c = _best(runs)
-    return c, nearest(groups, c)
-
-
-def nearest(points: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
-    """Index of the nearest centroid, (B, m, d), (B, K, d) -> (B, m); scalars by binary
-    search between the sorted centroids (O(log K) per point)."""
-    if points.shape[-1] > 1:
-        return _nearest(points, centroids)
-    c, order = centroids[..., 0].sort(1)
-    mids = ((c[:, 1:] + c[:, :-1]) / 2).contiguous()
-    return order.gather(1, torch.searchsorted(mids, points[..., 0].contiguous()))
 
 
 # ----------------------------------------------------------------------------- the layer
@@ -274,20 +97,28 @@ class PalettizedLinear(CompressedLinear):
 
     Memory holds ``indices`` (``bits`` bits per index, bit-packed uint8) and ``codebook``
     (groups, K, cluster_dim): output channels ``g*group_size ... (g+1)*group_size - 1`` use
-    codebook g, and index (r, j) picks the centroid for weights W[r, j*d : (j+1)*d]. The dense
-    weight is materialised on each forward. With ``stream_bytes`` set, the file stores the
-    indices Huffman-coded instead (``huffman_*`` buffers) and loading decodes them.
+    codebook g, and index (r, j) picks the centroid for weights W[r, j*d : (j+1)*d]. Weights
+    kept aside (``outliers`` of them) replace their codebook value: ``outlier_index`` holds their
+    flat positions, ``outlier_value`` their values. Codebooks and outliers are stored in
+    ``codebook_dtype`` (computed in the model's dtype). The dense weight is materialised on each
+    forward. With ``stream_bytes`` set, the file stores the indices Huffman-coded instead
+    (``huffman_*`` buffers) and loading decodes them.
     """
 
     def __init__(self, in_features: int, out_features: int, bits: int, group_size: int | None = None,
-                 cluster_dim: int = 1, bias: bool = False, stream_bytes: int | None = None, conv1d: bool = False):
+                 cluster_dim: int = 1, bias: bool = False, stream_bytes: int | None = None, conv1d: bool = False,
+                 codebook_dtype: CodebookDtype = "float32", outliers: int = 0):
         super().__init__()
         self.in_features, self.out_features, self.bits, self.conv1d = in_features, out_features, bits, conv1d
         self.group_size = group_size or out_features
         self.cluster_dim, self.stream_bytes = cluster_dim, stream_bytes
+        self.codebook_dtype, self.outliers = codebook_dtype, outliers
         k, n = 2 ** bits, self.num_indices
         self.codebook = nn.Parameter(torch.empty(out_features // self.group_size, k, cluster_dim))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        if outliers:
+            self.register_buffer("outlier_index", torch.empty(outliers, dtype=torch.int32))
+            self.register_buffer("outlier_value", torch.empty(outliers))
         self.register_buffer("indices", torch.empty(packed_nbytes(n, bits), dtype=torch.uint8),
                              persistent=stream_bytes is None)
         if stream_bytes is not None:
@@ -301,15 +132,22 @@ class PalettizedLinear(CompressedLinear):
 
     @classmethod
     def from_clusters(cls, codebook: torch.Tensor, indices: torch.Tensor, bias: torch.Tensor | None,
-                      entropy_coding: bool = False, conv1d: bool = False) -> PalettizedLinear:
-        """Build from codebook (groups, K, d) and indices (out, in / d)."""
+                      entropy_coding: bool = False, conv1d: bool = False, codebook_dtype: CodebookDtype = "float32",
+                      outliers: tuple[torch.Tensor, torch.Tensor] | None = None) -> PalettizedLinear:
+        """Build from codebook (groups, K, d), indices (out, in / d) and optionally the
+        weights kept aside as (flat positions, values); values are rounded to ``codebook_dtype``."""
         groups, k, d = codebook.shape
         out, cols = indices.shape
         stream = huffman_encode(indices.cpu().numpy(), k) if entropy_coding else None
         layer = cls(cols * d, out, int(math.log2(k)), out // groups, d, bias is not None,
-                    None if stream is None else len(stream.data), conv1d)
-        layer.codebook = nn.Parameter(codebook.detach().clone())
+                    None if stream is None else len(stream.data), conv1d, codebook_dtype,
+                    0 if outliers is None else outliers[0].numel())
+        stored = getattr(torch, codebook_dtype)
+        layer.codebook = nn.Parameter(codebook.detach().to(stored).to(codebook.dtype))
         layer.indices = pack(indices, layer.bits)
+        if outliers is not None:
+            layer.outlier_index = outliers[0].to(torch.int32)
+            layer.outlier_value = outliers[1].detach().to(stored).to(codebook.dtype)
         if bias is not None:
             layer.bias = nn.Parameter(bias.detach().clone())
         if stream is not None:
@@ -318,7 +156,16 @@ class PalettizedLinear(CompressedLinear):
             layer.huffman_blocks = torch.from_numpy(stream.block_bits).to(codebook.device)
         return layer
 
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        for name in ("codebook", "outlier_value"):  # stored in codebook_dtype, whatever the model computes in
+            if prefix + name in destination:
+                destination[prefix + name] = destination[prefix + name].detach().to(getattr(torch, self.codebook_dtype))
+
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        for name in ("codebook", "outlier_value"):  # back to the dtype the layer computes in
+            if prefix + name in state_dict:
+                state_dict[prefix + name] = state_dict[prefix + name].to(self.codebook.dtype)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         if self.stream_bytes is not None and prefix + "huffman_stream" in state_dict:
             self.indices = pack(torch.from_numpy(huffman_decode(self.huffman())), self.bits).to(self.codebook.device)
@@ -332,7 +179,10 @@ class PalettizedLinear(CompressedLinear):
         return unpack(self.indices, self.bits, self.num_indices).view(self.out_features, -1)
 
     def dense_weight(self) -> torch.Tensor:
-        return dequantize(self.codebook, self.index_matrix(), self.group_size)
+        w = dequantize(self.codebook, self.index_matrix(), self.group_size)
+        if not self.outliers:
+            return w
+        return w.flatten().index_put((self.outlier_index.long(),), self.outlier_value.to(w.dtype)).view_as(w)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.dense_weight().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
@@ -342,15 +192,17 @@ class PalettizedLinear(CompressedLinear):
         return [self.codebook]
 
     def storage_bits(self) -> int:
-        """Bits this layer's indices and codebook take on disk (what ``save`` writes)."""
+        """Bits this layer's indices, codebook and outliers take on disk (what ``save`` writes)."""
         index_bytes = (self.huffman_stream.numel() + self.huffman_lengths.numel() + 4 * self.huffman_blocks.numel()
                        if self.stream_bytes is not None else self.indices.numel())
-        return 8 * (index_bytes + self.codebook.numel() * self.codebook.element_size())
+        value_bytes = getattr(torch, self.codebook_dtype).itemsize
+        return 8 * (index_bytes + (self.codebook.numel() + self.outliers) * value_bytes + 4 * self.outliers)
 
     def spec(self) -> dict:
         return {"in_features": self.in_features, "out_features": self.out_features, "bits": self.bits,
                 "group_size": self.group_size, "cluster_dim": self.cluster_dim, "bias": self.bias is not None,
-                "stream_bytes": self.stream_bytes, "conv1d": self.conv1d}
+                "stream_bytes": self.stream_bytes, "conv1d": self.conv1d, "codebook_dtype": self.codebook_dtype,
+                "outliers": self.outliers}
 
 
 # ----------------------------------------------------------------------------- the stage
@@ -413,14 +265,29 @@ def layer_report(name: str, weight: torch.Tensor, layer: PalettizedLinear) -> di
     return row
 
 
-def palettize(module: nn.Module, cfg: KMeansConfig) -> PalettizedLinear:
-    """Cluster one linear's weight into a PalettizedLinear (on the weight's device)."""
+def palettize(module: nn.Module, cfg: KMeansConfig, gram: torch.Tensor | None = None) -> PalettizedLinear:
+    """Cluster one linear's weight into a PalettizedLinear (on the weight's device); ``gram``
+    (its inputs' XᵀX) enables the sensitivity weighting and error feedback the config asks for."""
     w = weight_of(module).detach()
     out, inp = w.shape
     gs, d = group_size_of(cfg, out), cfg.cluster_dim
-    codebook, assign = cluster(w.reshape(out // gs, gs * inp // d, d), cfg.bits, cfg.init, cfg.iterations, cfg.n_init, cfg.seed)
-    return PalettizedLinear.from_clusters(codebook.to(w.dtype), assign.reshape(out, inp // d),
-                                          getattr(module, "bias", None), cfg.entropy_coding, isinstance(module, Conv1D))
+    energy = gram.diagonal().float().clamp_min(0).to(w.device) if gram is not None and cfg.sensitivity != "none" else \
+        torch.ones(inp, device=w.device)
+    aside = torch.zeros(out, inp, dtype=torch.bool, device=w.device)
+    count = round(cfg.outliers * w.numel())
+    if count:  # the weights whose error would cost most: large and on energetic inputs
+        aside.view(-1)[(w.float().abs() * energy.sqrt()).flatten().topk(count).indices] = True
+    weights = (energy * ~aside).view(out, inp // d, d).mean(-1)  # an aside weight pulls no centroid
+    codebook, idx = cluster(w.reshape(out // gs, gs * inp // d, d), cfg.bits, cfg.init, cfg.iterations, cfg.n_init,
+                            cfg.seed, weights.reshape(out // gs, -1))
+    codebook = codebook.to(getattr(torch, cfg.codebook_dtype)).to(w.dtype)  # feedback sees the stored values
+    if cfg.error_feedback and gram is not None:
+        idx, values = assign(w, codebook, gs, gram, aside if count else None, cfg.damp)
+    else:
+        idx, values = idx.reshape(out, inp // d), w[aside]
+    outliers = (aside.flatten().nonzero()[:, 0], values) if count else None
+    return PalettizedLinear.from_clusters(codebook, idx, getattr(module, "bias", None), cfg.entropy_coding,
+                                          isinstance(module, Conv1D), cfg.codebook_dtype, outliers)
 
 
 def summarize(rows: list[dict], bits: int) -> dict:
@@ -442,10 +309,20 @@ def apply(model: nn.Module, cfg: KMeansConfig, ctx) -> dict:
     layers = target_layers(model, cfg)
     for name, module in layers.items():
         check_layer(name, *weight_of(module).shape, cfg)
+    grams: dict[str, torch.Tensor] = {}
+    inside = discover(model).layers_path + "."
+    if cfg.needs_statistics:  # calibration covers the decoder layers: a module used by several, on all its uses
+        chosen = {id(m) for m in layers.values()}
+        every = [n for n, m in model.named_modules(remove_duplicate=False) if n.startswith(inside) and id(m) in chosen]
+        if every:
+            grams = shared_grams(model, every, *ctx.grams(model, every))
     start = time.perf_counter()
     rows = []
     for name, module in ui.track(list(layers.items()), f"kmeans {cfg.bits}-bit"):
-        layer = palettize(module, cfg)
+        layer = palettize(module, cfg, grams.get(name))
         rows.append(layer_report(name, weight_of(module), layer))
         replace_everywhere(model, module, layer)
-    return {**summarize(rows, cfg.bits), "cluster_seconds": round(time.perf_counter() - start, 2), "per_layer": rows}
+    without = [n for n in layers if cfg.needs_statistics and n not in grams]
+    return {**summarize(rows, cfg.bits), "cluster_seconds": round(time.perf_counter() - start, 2),
+            "sensitivity": cfg.sensitivity, "error_feedback": cfg.error_feedback, "outliers": cfg.outliers,
+            "without_statistics": without, "per_layer": rows}

@@ -16,7 +16,8 @@ from pydantic import Field, model_validator
 from torch import nn
 
 from .. import ui
-from ..arch import Arch, Conv1D, discover, distinct, first_names, get_module, match_modules, replace_everywhere, weight_of
+from ..arch import Arch, Conv1D, discover, distinct, get_module, match_modules, replace_everywhere, weight_of
+from ..calibrate import shared_grams
 from ..linalg import low_rank, rank_for_ratio
 from ..modules import CompressedLinear, register_module
 from ..recipe import StageConfig
@@ -95,19 +96,6 @@ def decoder_projections(model: nn.Module, arch: Arch, cfg: StageConfig) -> dict[
     found = {name: (i, role) for i in range(arch.num_layers) for role, name in arch.projections(i).items()}
     chosen = match_modules(model, cfg.targets or ["."], cfg.ignore, what=f"{cfg.method}.targets")
     return {n: v for n, v in found.items() if n in chosen}
-
-
-def shared_grams(model: nn.Module, names: list[str], grams: dict[str, torch.Tensor], owner: dict[str, str]) -> dict[str, torch.Tensor]:
-    """First name -> the Gram matrix of every use of that module: the sum over all the names
-    that reach it (a module an earlier stage, e.g. cross_layer, shares between layers is fed
-    by each of them)."""
-    out: dict[str, torch.Tensor] = {}
-    seen: set[tuple[str, str]] = set()
-    for name, first in first_names(model, names).items():
-        if (first, owner[name]) not in seen:  # q/k/v of one layer read one Gram: count it once
-            seen.add((first, owner[name]))
-            out[first] = out[first] + grams[owner[name]] if first in out else grams[owner[name]]
-    return out
 
 
 @register(SVDConfig)
