@@ -27,7 +27,8 @@ def logits(model) -> torch.Tensor:
 
 
 def compress(model, tokenizer, **options) -> dict:
-    return wscompress.compress(model, [{"method": "basis_sharing", **options}], tokenizer, CALIB)[0]
+    """One basis_sharing stage; uniform allocation unless asked (its ranks follow the paper's formula)."""
+    return wscompress.compress(model, [{"method": "basis_sharing", "allocation": "uniform", **options}], tokenizer, CALIB)[0]
 
 
 def layer(model, i):

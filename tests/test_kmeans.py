@@ -292,3 +292,31 @@ def test_dense_export_loads_in_stock_transformers(tokenizer, tmp_path):
     dense = AutoModelForCausalLM.from_pretrained(tmp_path / "dense").eval()
     x = torch.randint(0, 512, (1, 16))
     assert torch.allclose(_outputs(dense, x), _outputs(model, x), atol=1e-5)
+
+
+def test_basis_sharing_then_kmeans_saves_both_savings(tokenizer, tmp_path):
+    """kmeans palettizes the factors of a low-rank model: each shared basis once (still shared
+    after reload), every coefficient matrix; the file shrinks again, reloads exactly and exports."""
+    from transformers import AutoModelForCausalLM
+
+    model = tiny_model("llama", layers=4)
+    x = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0))
+    wscompress.compress(model, [{"method": "basis_sharing", "ratio": 0.3, "allocation": "uniform"}], tokenizer, CALIB)
+    low_rank = storage.save(model, tokenizer, tmp_path / "bs")
+    (report,) = wscompress.compress(model, [{"method": "kmeans", "bits": 4}],
+                                    tokenizer, CALIB)
+    q = [layer.self_attn.q_proj for layer in model.model.layers]
+    assert all(isinstance(m.basis, PalettizedLinear) and isinstance(m.coeff, PalettizedLinear) for m in q)
+    assert q[0].basis is q[1].basis and q[2].basis is q[3].basis
+    # per pair of layers: 3 shared bases (q, gate, up) and their 2 x 3 coefficients, 2 x 4 private factor pairs
+    assert report["layers"] == 2 * (3 + 2 * 3 + 2 * 4 * 2) and not report["without_statistics"]
+    out = _outputs(model, x)
+    both = storage.save(model, tokenizer, tmp_path / "both")
+    assert both["file_bytes"] < 0.6 * low_rank["file_bytes"]
+    loaded, _ = storage.load(tmp_path / "both")
+    assert torch.equal(_outputs(loaded, x), out)
+    assert loaded.model.layers[0].self_attn.q_proj.basis is loaded.model.layers[1].self_attn.q_proj.basis
+    _check_file_size(tmp_path / "both", loaded)
+    storage.export_dense(loaded, tokenizer, tmp_path / "dense")
+    stock = AutoModelForCausalLM.from_pretrained(tmp_path / "dense").eval()
+    assert torch.allclose(_outputs(stock, x), out, atol=1e-5)

@@ -82,7 +82,7 @@ def test_ratio_sets_parameters_and_whitening_helps(tokenizer):
     errors = {}
     for whiten in (True, False):
         model = tiny_model("llama_mha")
-        row = wscompress.compress(model, [{"method": "svd", "ratio": 0.4, "whitening": whiten}], tokenizer, CALIB)[0]
+        row = wscompress.compress(model, [{"method": "svd", "ratio": 0.4, "whitening": whiten, "allocation": "uniform"}], tokenizer, CALIB)[0]
         # 4 layers × (4 of 64x64, 2 of 64x128 + 128x64); ranks floor(0.6·d_in·d_out/(d_in+d_out))
         dense = 4 * (4 * 64 * 64 + 3 * 64 * 128)
         low = 4 * (4 * 19 * 128 + 3 * 25 * 192)
@@ -94,14 +94,15 @@ def test_ratio_sets_parameters_and_whitening_helps(tokenizer):
 
 def test_targets_and_options_validated(tokenizer):
     model = tiny_model("llama")
-    wscompress.compress(model, [{"method": "svd", "ratio": 0.3, "whitening": False, "targets": ["mlp"], "ignore": ["down"]}])
+    wscompress.compress(model, [{"method": "svd", "ratio": 0.3, "whitening": False, "allocation": "uniform",
+                                 "targets": ["mlp"], "ignore": ["down"]}])
     kinds = {n.rsplit(".", 1)[-1]: type(m).__name__ for n, m in model.named_modules() if n.startswith("model.layers.0.")}
     assert kinds["gate_proj"] == kinds["up_proj"] == "LowRankLinear"
     assert kinds["down_proj"] == kinds["q_proj"] == "Linear"
     for bad, match in [({"ratio": 1.0}, "ratio"), ({"ratio": 0}, "ratio"), ({"ratio": 0.2, "rank": 4}, "either ratio or rank"),
                        ({"targets": ["nothing_here"]}, "matches no module")]:
         with pytest.raises(UsageError, match=match):
-            wscompress.compress(tiny_model("llama"), [{"method": "svd", "whitening": False, **bad}])
+            wscompress.compress(tiny_model("llama"), [{"method": "svd", "whitening": False, "allocation": "uniform", **bad}])
 
 
 def test_gpt2_save_load_and_dense_export(tmp_path, tokenizer):

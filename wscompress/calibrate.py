@@ -241,6 +241,46 @@ def shared_grams(model: nn.Module, names: list[str], grams: dict[str, torch.Tens
     return out
 
 
+def output_sensitivity(model: nn.Module, names: list[str], batches: list[torch.Tensor], samples: int) -> dict[str, float]:
+    """Fisher-style sensitivity of each named linear: the mean over calibration tokens and output
+    channels of (∂L/∂y)², L a sequence's mean next-token loss and y the module's output, from
+    ``samples`` calibration sequences. An error δ in that output raises the loss by about
+    ½·sensitivity·‖δ‖², so it converts a module's output error into model loss.
+
+    Needs one forward and backward of the whole model per batch (the weights get no gradients);
+    a module used by several layers sums over its uses.
+    """
+    modules = {n: get_module(model, n) for n in names}
+    sums = {id(m): torch.zeros((), dtype=torch.float64) for m in modules.values()}
+    stack = ExitStack()
+
+    def observe(module, _args, out):
+        def grad_hook(g):
+            sums[id(module)] += g.detach().double().pow(2).sum().cpu() / g.shape[-1]
+        out.register_hook(grad_hook)
+
+    for m in {id(m): m for m in modules.values()}.values():
+        stack.callback(m.register_forward_hook(observe).remove)
+    emb = model.get_input_embeddings()  # a graph without weight gradients: start it at the embeddings
+    stack.callback(emb.register_forward_hook(lambda _m, _a, out: out.detach().requires_grad_()).remove)
+    grad_state = {p: p.requires_grad for p in model.parameters()}
+    device = model_device(model)
+    tokens = 0
+    try:
+        for p in grad_state:
+            p.requires_grad_(False)
+        rows = torch.cat(batches)[:samples]
+        for ids in rows.to(device).split(1):  # one sequence at a time: the backward holds every activation
+            logits = model(input_ids=ids, use_cache=False).logits[0, :-1].float()
+            torch.nn.functional.cross_entropy(logits, ids[0, 1:]).backward()
+            tokens += ids.numel()
+    finally:
+        stack.close()
+        for p, state in grad_state.items():
+            p.requires_grad_(state)
+    return {n: (sums[id(m)] / tokens).item() for n, m in modules.items()}
+
+
 def fingerprint(model: nn.Module) -> str:
     """Identifies a model's weights: config plus a checksum of a few tensors."""
     h = hashlib.sha256(json.dumps(model.config.to_diff_dict(), sort_keys=True, default=str).encode())
@@ -253,28 +293,51 @@ def fingerprint(model: nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
-def save_grams(path: str | Path, grams: dict[str, torch.Tensor], owner: dict[str, str], meta: dict) -> None:
+def save_grams(path: str | Path, grams: dict[str, torch.Tensor], owner: dict[str, str], meta: dict,
+               sensitivity: dict[str, float] | None = None) -> None:
+    """Write the Gram matrices (and, when given, the output sensitivities) with ``meta``
+    identifying the model and calibration data they were computed on."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    save_file({f"gram.{k}": v.contiguous() for k, v in grams.items()}, tmp,
-              metadata={"wscompress": json.dumps({**meta, "owner": owner})})
+    tensors = {f"gram.{k}": v.contiguous() for k, v in grams.items()}
+    tensors.update({f"sensitivity.{k}": torch.tensor(v, dtype=torch.float64) for k, v in (sensitivity or {}).items()})
+    save_file(tensors, tmp, metadata={"wscompress": json.dumps({**meta, "owner": owner})})
     tmp.replace(path)
 
 
-def load_grams(path: str | Path, expect: dict) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Load saved statistics, refusing ones computed for another model or calibration set."""
+def _read_meta(path: str | Path, expect: dict) -> dict:
+    """The file's metadata, refusing statistics computed for another model or calibration set."""
     from safetensors import safe_open
 
     try:
         with safe_open(str(path), "pt") as f:
             meta = json.loads((f.metadata() or {}).get("wscompress", "{}"))
-        tensors = load_file(str(path))
     except (OSError, SafetensorError, json.JSONDecodeError) as err:
         raise UsageError(f"calibration file {path} is unreadable: {err}", "delete it and run `wscompress calibrate` again") from None
     for key, want in expect.items():
         if meta.get(key) != want:
             raise UsageError(f"calibration file {path} was made with {key}={meta.get(key)!r}, this run has {want!r}",
                              "run `wscompress calibrate` for this model and calibration set, or remove the file")
-    grams = {k.removeprefix("gram."): v for k, v in tensors.items()}
+    return meta
+
+
+def load_grams(path: str | Path, expect: dict) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Load saved Gram matrices, refusing ones computed for another model or calibration set."""
+    meta = _read_meta(path, expect)
+    try:
+        tensors = load_file(str(path))
+    except (OSError, SafetensorError) as err:
+        raise UsageError(f"calibration file {path} is unreadable: {err}", "delete it and run `wscompress calibrate` again") from None
+    grams = {k.removeprefix("gram."): v for k, v in tensors.items() if k.startswith("gram.")}
     return grams, meta.get("owner", {})
+
+
+def load_sensitivity(path: str | Path, expect: dict) -> dict[str, float]:
+    """Saved output sensitivities (empty when the file has none), refusing a mismatched file;
+    ``expect`` includes the number of sequences they were computed on."""
+    from safetensors import safe_open
+
+    _read_meta(path, expect)
+    with safe_open(str(path), "pt") as f:
+        return {k.removeprefix("sensitivity."): f.get_tensor(k).item() for k in f.keys() if k.startswith("sensitivity.")}

@@ -53,6 +53,21 @@ class Context:
                 "seq_len": c.seq_len, "seed": c.seed, "sampling": c.sampling,
                 "bos": data.resolve_bos(self.tokenizer, c.bos) if self.tokenizer is not None else c.bos}
 
+    def sensitivity(self, model: nn.Module, names: list[str], samples: int) -> dict[str, float]:
+        """Output sensitivity of the named linears on the first ``samples`` calibration
+        sequences (see ``calibrate.output_sensitivity``): saved by `calibrate` when it covers
+        them, else computed now."""
+        path = stats_path(self.recipe)
+        if path.is_file() and self.stages_done == 0:
+            meta = {**self.stats_meta(model), "sensitivity_samples": samples}
+            try:
+                saved = calibrate.load_sensitivity(path, meta)
+            except UsageError:  # made for another sample count (a model mismatch is refused by grams)
+                saved = {}
+            if all(n in saved for n in names):
+                return {n: saved[n] for n in names}
+        return calibrate.output_sensitivity(model, names, self.calibration(), samples)
+
     def grams(self, model: nn.Module, names: list[str]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         """Input Gram matrices of the named linears: from ``<output>/calibration.safetensors``
         when `calibrate` wrote one for this model and data, else computed now (always after an
@@ -125,7 +140,8 @@ def peak_memory_mb() -> float:
 
 
 def step_calibrate(recipe: Recipe) -> dict:
-    """Collect input Gram matrices of every decoder-layer linear and save them for `compress`."""
+    """Collect input Gram matrices of every decoder-layer linear (and the output sensitivities
+    when a stage allocates ranks) and save them for `compress`."""
     from .arch import discover
 
     preflight(recipe, {"calibration"})
@@ -135,7 +151,11 @@ def step_calibrate(recipe: Recipe) -> dict:
     ctx = Context(recipe, tokenizer)
     start = time.perf_counter()
     grams, owner = calibrate.collect_grams(model, ctx.calibration(), names)
-    calibrate.save_grams(stats_path(recipe), grams, owner, ctx.stats_meta(model))
+    # the stages that allocate ranks also need the output sensitivities: saved alongside
+    samples = max((s.sensitivity_samples for s in recipe.compress if getattr(s, "allocates", False)), default=0)
+    sensitivity = calibrate.output_sensitivity(model, names, ctx.calibration(), samples) if samples else None
+    meta = {**ctx.stats_meta(model), **({"sensitivity_samples": samples} if samples else {})}
+    calibrate.save_grams(stats_path(recipe), grams, owner, meta, sensitivity)
     out = {"file": str(stats_path(recipe)), "calibration": ctx.describe(), "modules": len(owner), "gram_matrices": len(grams),
            "tokens": sum(b.numel() for b in ctx.calibration()), "seconds": round(time.perf_counter() - start, 2),
            "peak_memory_mb": round(peak_memory_mb(), 1)}

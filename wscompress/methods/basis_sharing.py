@@ -27,6 +27,7 @@ from pydantic import Field, model_validator
 from torch import nn
 
 from .. import ui
+from ..allocation import Unit, allocate, spectrum
 from ..arch import Arch, discover, get_module, require_unshared, set_module, weight_of
 from ..compensate import swap_and_refit
 from ..errors import UsageError
@@ -114,35 +115,57 @@ def apply(model: nn.Module, cfg: BasisSharingConfig, ctx) -> dict:
                          "widen targets or name the roles in shared/private")
     require_unshared(model, names, "basis_sharing")  # stacking one module twice is no sharing
     grams, owner = ctx.grams(model, names)
+    parts: list[tuple[str, list[str]]] = []  # one per factorisation: a shared role's group, a private role's layer
+    for group in groups:
+        for role in shared + private:
+            members = [n for i in group if (n := arch.projections(i).get(role)) in chosen]
+            parts += [(role, p) for p in ([members] if role in shared else [[n] for n in members]) if p]
+    scale = ctx.sensitivity(model, names, cfg.sensitivity_samples) if cfg.allocates else None
+
+    def stacked(part: list[str]) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """The part's weights and the Gram its basis is whitened with: the layers' Grams each
+        weighted by their sensitivity (fisher) or divided by their output energy (uniform)."""
+        ws = [weight_of(get_module(model, n)) for n in part]
+        g = [grams[owner[n]].to(ws[0].device) for n in part]
+        return ws, sum(gi * scale[n] if scale else relative(wi, gi) for n, wi, gi in zip(part, ws, g))
+
+    if scale:
+        units = []
+        for role, part in ui.track(parts, "basis sharing spectra"):
+            ws, gram = stacked(part)
+            units.append(Unit(part[0], spectrum(torch.cat(ws), gram), ws[0].shape[1] + sum(w.shape[0] for w in ws),
+                              sum(w.numel() for w in ws)))
+        wanted = allocate(units, cfg.ratio)
+    else:
+        wanted = {part[0]: cfg.rank_for(weight_of(get_module(model, part[0])).shape[1],
+                                        weight_of(get_module(model, part[0])).shape[0], len(part)) for _, part in parts}
 
     new: dict[str, LowRankLinear] = {}  # every replacement is built before any is swapped in
-    ranks: dict[str, int] = {}
+    ranks: dict[str, int | None] = {}
     shifted: list[str] = []
     with torch.no_grad():
-        for group in ui.track(groups, "basis sharing groups"):
-            for role in shared + private:
-                members = [n for i in group if (n := arch.projections(i).get(role)) in chosen]
-                for part in [members] if role in shared else [[n] for n in members]:
-                    if not part:
-                        continue
-                    modules = [get_module(model, n) for n in part]
-                    ws = [weight_of(m) for m in modules]
-                    w = torch.cat(ws)  # (n·out, in): one basis for all
-                    d_out, d_in = w.shape[0] // len(part), w.shape[1]
-                    gram = sum(relative(wi, grams[owner[n]].to(w.device)) for n, wi in zip(part, ws))
-                    coeff, basis, how = low_rank(w, cfg.rank_for(d_in, d_out, len(part)), gram)
-                    if how == "shifted":
-                        shifted.append(part[0])
-                    if len(part) > 1:  # the basis suits the group; each layer's coefficients can suit it alone
-                        coeff = torch.cat([refit_coefficients(wi, basis, grams[owner[n]]) for n, wi in zip(part, ws)])
-                    ranks[f"{role} (n={len(part)})"] = basis.shape[0]
-                    if role in shared:
-                        lin = nn.Linear(d_in, basis.shape[0], bias=False, device=w.device, dtype=w.dtype)
-                        lin.weight.copy_(basis)
-                        basis = lin
-                    cls = SharedBasisLinear if role in shared else LowRankLinear
-                    for n, m, c in zip(part, modules, coeff.split(d_out)):
-                        new[n] = cls.replacing(m, c, basis)
+        for role, part in ui.track(parts, "basis sharing groups"):
+            label = f"{part[0]} (+{len(part) - 1} sharing)" if len(part) > 1 else part[0]
+            ranks[label] = wanted[part[0]]
+            if wanted[part[0]] is None:  # the allocation keeps these dense
+                continue
+            ws, gram = stacked(part)
+            w = torch.cat(ws)  # (n·out, in): one basis for all
+            d_out, d_in = ws[0].shape
+            coeff, basis, how = low_rank(w, wanted[part[0]], gram)
+            if how == "shifted":
+                shifted.append(part[0])
+            if len(part) > 1:  # the basis suits the group; each layer's coefficients can suit it alone
+                coeff = torch.cat([refit_coefficients(wi, basis, grams[owner[n]]) for n, wi in zip(part, ws)])
+            ranks[label] = basis.shape[0]
+            if role in shared:
+                lin = nn.Linear(d_in, basis.shape[0], bias=False, device=w.device, dtype=w.dtype)
+                lin.weight.copy_(basis)
+                basis = lin
+            cls = SharedBasisLinear if role in shared else LowRankLinear
+            for n, c in zip(part, coeff.split(d_out)):
+                m = get_module(model, n)
+                new[n] = cls.replacing(m, c, basis)
     if cfg.refit:
         swap_and_refit(model, arch, new, ctx.calibration(), cfg.ridge)
     else:
@@ -152,4 +175,6 @@ def apply(model: nn.Module, cfg: BasisSharingConfig, ctx) -> dict:
     return {"groups": len(groups), "group_size": cfg.group_size,
             "remainder": (f"the last {remainder} layers form their own group with their own rank budget"
                           if remainder else None),
-            "shared": shared, "private": private, "ranks": ranks, "refit": cfg.refit, "gram_shifted": shifted}
+            "shared": shared, "private": private, "allocation": cfg.allocation_label(),
+            "ranks": ranks, "dense": [n for n, k in ranks.items() if k is None], "refit": cfg.refit,
+            "gram_shifted": shifted}

@@ -18,10 +18,13 @@ from torch import nn
 from .. import ui
 from ..arch import Arch, Conv1D, discover, distinct, get_module, match_modules, replace_everywhere, weight_of
 from ..calibrate import shared_grams
+from ..allocation import Unit, allocate, spectrum
 from ..linalg import low_rank, rank_for_ratio
 from ..modules import CompressedLinear, register_module
 from ..recipe import StageConfig
 from . import register
+
+Allocation = Literal["uniform", "fisher"]
 
 
 @register_module
@@ -43,7 +46,7 @@ class LowRankLinear(CompressedLinear):
         return self.coeff(self.basis(x))
 
     def dense_weight(self) -> torch.Tensor:
-        return self.coeff.weight @ self.basis.weight
+        return weight_of(self.coeff) @ weight_of(self.basis)  # either factor may be palettized in turn
 
     def spec(self) -> dict:
         return {"in_features": self.in_features, "out_features": self.out_features, "rank": self.rank,
@@ -72,8 +75,11 @@ class LowRankLinear(CompressedLinear):
 class LowRankConfig(StageConfig):
     """Options common to the SVD-family stages."""
 
-    ratio: float = Field(0.2, gt=0, lt=1, description="fraction of each matrix's parameters to remove")
+    ratio: float = Field(0.2, gt=0, lt=1, description="fraction of the targets' parameters to remove")
     rank: int | None = Field(None, gt=0, description="fixed rank instead of ratio (capped at full rank)")
+    allocation: Allocation = Field("fisher", description="uniform: every matrix loses `ratio`; fisher: one "
+                                   "budget, ranks where they cost the model's loss least (see allocation.py)")
+    sensitivity_samples: int = Field(16, gt=0, description="fisher: calibration sequences for the sensitivities")
 
     @model_validator(mode="after")
     def _ratio_or_rank(self):
@@ -84,10 +90,25 @@ class LowRankConfig(StageConfig):
     def rank_for(self, d_in: int, d_out: int, n: int = 1) -> int:
         return self.rank if self.rank is not None else rank_for_ratio(d_in, d_out, self.ratio, n)
 
+    @property
+    def allocates(self) -> bool:
+        """Ranks come from the global allocation (not one ratio or a fixed rank per matrix)."""
+        return self.allocation == "fisher" and self.rank is None
+
+    def allocation_label(self) -> str:
+        return "rank" if self.rank is not None else self.allocation
+
 
 class SVDConfig(LowRankConfig):
     method: Literal["svd"] = "svd"
     whitening: bool = Field(True, description="SVD-LLM whitening with calibration statistics (false: plain SVD)")
+
+    @model_validator(mode="after")
+    def _plain_svd_is_data_free(self):
+        """Plain SVD needs no calibration data, so by default it keeps one ratio per matrix."""
+        if not self.whitening and "allocation" not in self.model_fields_set:
+            self.allocation = "uniform"
+        return self
 
 
 def decoder_projections(model: nn.Module, arch: Arch, cfg: StageConfig) -> dict[str, tuple[int, str]]:
@@ -103,17 +124,28 @@ def apply(model: nn.Module, cfg: SVDConfig, ctx) -> dict:
     arch = discover(model)
     every = list(decoder_projections(model, arch, cfg))
     names = distinct(model, every)  # a module shared by layers: factorised once
-    wanted = {n: cfg.rank_for(*reversed(weight_of(get_module(model, n)).shape)) for n in names}  # bad ratio: fail before any change
+    wanted: dict[str, int | None] = {n: cfg.rank_for(*reversed(weight_of(get_module(model, n)).shape)) for n in names}
     grams = shared_grams(model, every, *ctx.grams(model, every)) if cfg.whitening else {}
-    ranks: dict[str, int] = {}
+    if cfg.allocates:
+        scale = ctx.sensitivity(model, names, cfg.sensitivity_samples)
+        units = []
+        for n in ui.track(names, "svd spectra"):
+            w = weight_of(get_module(model, n))
+            units.append(Unit(n, spectrum(w, grams.get(n)) * scale[n], sum(w.shape), w.numel()))
+        wanted = allocate(units, cfg.ratio)
+    ranks: dict[str, int | None] = {}
     shifted = []
     with torch.no_grad():
         for name in ui.track(names, "svd layers"):
             module = get_module(model, name)
-            w = weight_of(module)
-            coeff, basis, how = low_rank(w, wanted[name], grams.get(name))
+            ranks[name] = wanted[name]
+            if wanted[name] is None:  # the allocation keeps it dense
+                continue
+            coeff, basis, how = low_rank(weight_of(module), wanted[name], grams.get(name))
             replace_everywhere(model, module, LowRankLinear.replacing(module, coeff, basis))
-            ranks[f"{w.shape[0]}x{w.shape[1]}"] = coeff.shape[1]
+            ranks[name] = coeff.shape[1]
             if how == "shifted":
                 shifted.append(name)
-    return {"modules": len(names), "ranks": ranks, "whitening": cfg.whitening, "gram_shifted": shifted}
+    return {"modules": len(names), "allocation": cfg.allocation_label(),
+            "ranks": ranks, "dense": [n for n, k in ranks.items() if k is None], "whitening": cfg.whitening,
+            "gram_shifted": shifted}
