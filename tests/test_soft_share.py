@@ -6,7 +6,7 @@ from torch import nn
 
 from conftest import WIKI_TRAIN, assert_roundtrip, tiny_model
 from test_cross_layer import AttentionOnly
-from wscompress import compress, data
+from wscompress import calibrate, compress, data
 from wscompress.arch import dims_of, discover, set_module
 from wscompress.errors import UsageError
 from wscompress.finetune import finetune
@@ -27,6 +27,9 @@ class Calibration:
 
     def calibration(self):
         return self.batches
+
+    def grams(self, model, names):
+        return calibrate.collect_grams(model, self.batches, names)
 
 
 def soft_share(model, tokenizer, **options) -> dict:
@@ -152,3 +155,23 @@ def test_sampled_search_picks_the_exact_searchs_window_on_smollm2(smollm2):
         place(model, old)
     best = min(exact, key=exact.get)
     assert row["windows"] == [list(range(best, best + 4))], (row["search_nll"], exact)
+
+
+def test_whitened_deltas_lower_the_output_error_on_calibration_inputs():
+    """With each layer's input Gram matrix, the rank-r delta minimises the output error
+    ‖(W_l - W_c - A_l B_l) Xᵀ‖ instead of the weight error: lower for every layer and role."""
+    from wscompress.methods.soft_share import soft_modules
+
+    gen = torch.Generator().manual_seed(3)
+    weights = [{"up": (torch.randn(48, 32, generator=gen), None), "down": (torch.randn(32, 48, generator=gen), None)}
+               for _ in range(3)]
+    def gram(d):  # inputs of low effective rank, as real activations are
+        x = torch.randn(256, 8, generator=gen) @ torch.randn(8, d, generator=gen) + 0.05 * torch.randn(256, d, generator=gen)
+        return x.T.double() @ x.double()
+    grams = [{"up": gram(32), "down": gram(48)} for _ in weights]
+    plain, whitened = soft_modules(weights, 4), soft_modules(weights, 4, grams)
+    for layer, w in enumerate(weights):
+        for role, (wr, _) in w.items():
+            err = lambda m: torch.trace((wr.double() - m.dense_weight().double()) @ grams[layer][role]  # noqa: E731
+                                        @ (wr.double() - m.dense_weight().double()).T)
+            assert err(whitened[layer][role]) < 0.9 * err(plain[layer][role])

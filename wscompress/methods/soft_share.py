@@ -6,7 +6,9 @@ unrelated neurons. First the neurons of every layer in the window are aligned to
 window's first layer: the correlation of their calibration activations (the inputs of the
 down projection) is matched by the Hungarian algorithm, and each layer's gate/up rows and
 down columns are permuted accordingly (which leaves its function unchanged). Then W_c is
-the mean of the aligned weights and A_l B_l the truncated SVD of W_l - W_c. The window's
+the mean of the aligned weights and A_l B_l the truncated SVD of W_l - W_c, by default
+whitened with the layer's input Gram matrix (as SVD-LLM does for whole weights), so the delta
+keeps what matters on real activations rather than in the weights. The window's
 position is searched by the calibration loss of the soft-shared model, estimated on
 ``search_samples`` sequences at ``search_positions`` fixed random positions each (the LM head
 runs on those only: on a 262k vocabulary it would cost more than the rest of the search).
@@ -27,7 +29,7 @@ from torch import nn
 from .. import ui
 from ..arch import Arch, Conv1D, discover, get_module, require_unshared, set_module, weight_of
 from ..errors import UsageError
-from ..linalg import principal_factors
+from ..linalg import low_rank, principal_factors
 from ..model import model_device
 from ..modules import CompressedLinear, register_module
 from ..recipe import StageConfig
@@ -81,6 +83,8 @@ class SoftShareConfig(StageConfig):
     search_positions: int = Field(64, ge=1, description="next-token predictions scored per sequence (a fixed "
                                                        "random subset: the LM head runs on these only)")
     samples_per_batch: int = Field(256, ge=8, description="token rows per calibration batch used to correlate neurons")
+    whitening: bool = Field(True, description="deltas by whitened SVD on each layer's input Gram (activation-aware); "
+                                              "false: plain SVD of W_l - W_c")
 
 
 def ffn_names(arch: Arch, i: int) -> dict[str, str]:
@@ -120,9 +124,11 @@ def aligned_weights(arch: Arch, i: int, perm: torch.Tensor) -> dict[str, Weights
 
 
 @torch.no_grad()
-def soft_modules(weights: list[dict[str, Weights]], rank: int) -> list[dict[str, LowRankDeltaLinear]]:
+def soft_modules(weights: list[dict[str, Weights]], rank: int,
+                 grams: list[dict[str, torch.Tensor]] | None = None) -> list[dict[str, LowRankDeltaLinear]]:
     """One LowRankDeltaLinear per layer and role: the role's shared base is the mean of the
-    window's aligned weights, each delta the rank-``rank`` truncated SVD of W_l - W_c."""
+    window's aligned weights, each delta the rank-``rank`` truncated SVD of W_l - W_c (whitened
+    by the layer's input Gram matrix for that role when ``grams`` are given)."""
     out: list[dict[str, LowRankDeltaLinear]] = [{} for _ in weights]
     for role in weights[0]:
         ws = [w[role][0] for w in weights]
@@ -132,7 +138,8 @@ def soft_modules(weights: list[dict[str, Weights]], rank: int) -> list[dict[str,
         base.weight.copy_(center)
         r = min(rank, *center.shape)
         for layer, w in enumerate(ws):
-            left, right = principal_factors(w.double() - center, r)
+            delta = w.double() - center
+            left, right = principal_factors(delta, r) if grams is None else low_rank(delta, r, grams[layer][role])[:2]
             # balanced factors (U·S^½, S^½·Vᵀ) train better than (U·S, Vᵀ)
             scale = (left.norm(dim=0) / right.norm(dim=1)).clamp_min(1e-30).sqrt()
             bias = weights[layer][role][1]
@@ -149,8 +156,8 @@ def soft_modules(weights: list[dict[str, Weights]], rank: int) -> list[dict[str,
 class Planner:
     """Builds soft-shared FFN modules for any window, caching neuron alignments."""
 
-    def __init__(self, arch: Arch, acts: dict[int, torch.Tensor], rank: int):
-        self.arch, self.acts, self.rank = arch, acts, rank
+    def __init__(self, arch: Arch, acts: dict[int, torch.Tensor], rank: int, grams: dict[str, torch.Tensor] | None = None):
+        self.arch, self.acts, self.rank, self.grams = arch, acts, rank, grams
         self._perms: dict[tuple[int, int], torch.Tensor] = {}
 
     def perm(self, ref: int, i: int) -> torch.Tensor:
@@ -164,8 +171,13 @@ class Planner:
         """Module name -> new module for every FFN projection of layers start..start+window-1."""
         layers = range(start, start + window)
         weights = [aligned_weights(self.arch, i, self.perm(start, i)) for i in layers]
+        grams = None
+        if self.grams is not None:  # the down projection's inputs are the permuted neurons
+            grams = [{role: self.grams[name] if role in OUTPUT_ROLES else self.grams[name][p][:, p]
+                      for role, name in ffn_names(self.arch, i).items()}
+                     for i in layers for p in [self.perm(start, i)]]
         out = {}
-        for i, modules in zip(layers, soft_modules(weights, self.rank)):
+        for i, modules in zip(layers, soft_modules(weights, self.rank, grams)):
             names = ffn_names(self.arch, i)
             for role, m in modules.items():
                 m.conv1d = isinstance(get_module(self.arch.model, names[role]), Conv1D)
@@ -225,7 +237,12 @@ def apply(model, cfg: SoftShareConfig, ctx) -> dict:
     if cfg.starts is not None:
         check_groups([list(range(s, s + cfg.window)) for s in cfg.starts], n, what="starts")
     batches = ctx.calibration()
-    planner = Planner(arch, sample_inputs(model, arch, batches, "down", cfg.samples_per_batch), cfg.rank)
+    grams = None
+    if cfg.whitening:
+        names = [name for i in range(n) for name in ffn_names(arch, i).values()]
+        found, owner = ctx.grams(model, names)
+        grams = {name: found[owner[name]] for name in names}
+    planner = Planner(arch, sample_inputs(model, arch, batches, "down", cfg.samples_per_batch), cfg.rank, grams)
     scores: dict[int, float] = {}
     if cfg.starts is not None:
         starts = cfg.starts
@@ -246,5 +263,5 @@ def apply(model, cfg: SoftShareConfig, ctx) -> dict:
             best, scores = search(model, planner, free, cfg.window, scored, positions)
             starts.append(best)
             place(model, planner.build(best, cfg.window))
-    return {"windows": [list(range(s, s + cfg.window)) for s in starts], "rank": cfg.rank,
+    return {"windows": [list(range(s, s + cfg.window)) for s in starts], "rank": cfg.rank, "whitening": cfg.whitening,
             "search_nll": {str(k): round(v, 4) for k, v in scores.items()}}
