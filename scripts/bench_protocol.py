@@ -81,7 +81,7 @@ def write(out: Path, rows: list[dict], steps: list[dict], args) -> str:
     dense = rows[0]["ppl"]
     table = []
     for r in rows:
-        entry = {"method": r["method"], "size": r["size"], "bytes": r["bytes"], **{t: r["ppl"][t] for t in texts},
+        entry = {"method": r["method"], "size": r["size"], "bytes": r.get("bytes", ""), **{t: r["ppl"][t] for t in texts},
                  **{f"{t} / dense": round(r["ppl"][t] / dense[t], 3) for t in texts}, "compress_s": r.get("compress_s", "")}
         table.append(entry)
     official = [{"method": label, **{f"{round(k * 100)} %": v for k, v in figures.items()}} for label, figures in OFFICIAL.items()]
@@ -89,7 +89,7 @@ def write(out: Path, rows: list[dict], steps: list[dict], args) -> str:
     for r in rows:
         if "ratio" in r:
             ours.setdefault(r["method"], {"method": r["method"]})[f"{round(r['ratio'] * 100)} %"] = r["ppl"]["wiki.test"]
-    cols = ["method"] + [f"{round(x * 100)} %" for x in args.ratios]
+    cols = ["method"] + [f"{round(x * 100)} %" for x in sorted({r["ratio"] for r in rows if "ratio" in r} | {0.2, 0.4})]
     md = "\n\n".join([
         f"SmolLM2-135M-Instruct, {args.windows} windows of 512 tokens per text, {torch.get_num_threads()} threads",
         markdown(steps, ["step", "seconds", "peak_memory_mb"]),
@@ -124,20 +124,24 @@ def main() -> None:
               "peak_memory_mb": calib["peak_memory_mb"]}]
 
     original, tok = load_model(recipe.model)
-    rows = [{"method": "dense", "size": "100 %", "bytes": "100 %", "ppl": evaluate(original, tok, recipe, args.windows)}]
-    print(rows[-1], flush=True)
+    done = out / "results.json"  # rows measured by an earlier invocation are kept, not rerun
+    rows = json.loads(done.read_text())["rows"] if done.is_file() else \
+        [{"method": "dense", "size": "100 %", "bytes": "100 %", "ppl": evaluate(original, tok, recipe, args.windows)}]
+    print(rows[0], flush=True)
     runs = [(label, [{**stage, "ratio": r}]) for r in args.ratios for label, stage in LOW_RANK.items() if label in args.rows]
     runs += [(label, [{**stage, "bits": b}]) for b in args.bits for label, stage in CLUSTERING.items() if label in args.rows]
     runs += [(label, stages) for label, stages in COMBINED.items() if label in args.rows]
     dense_stats = storage.stats(original)
     for label, stages in runs:
+        setting = {k: stages[0][k] for k in ("ratio", "bits") if k in stages[0]} if len(stages) == 1 else {}
+        if any(r["method"] == label and all(r.get(k) == v for k, v in setting.items()) for r in rows):
+            continue
         model = copy.deepcopy(original)
         run = recipe.model_copy()
         run.compress = load_recipe(data={"compress": stages}).compress
         start = time.perf_counter()
         report = apply_stages(model, tok, run)
         seconds = round(time.perf_counter() - start, 1)
-        setting = {k: stages[0][k] for k in ("ratio", "bits") if k in stages[0]} if len(stages) == 1 else {}
         last = report[-1]
         size = (f"{last['bits_per_weight']:.3f} bits/weight" if "bits_per_weight" in last
                 else f"{last['params_after'] / report[0]['params_before']:.1%} params")

@@ -79,6 +79,15 @@ def stats(model: nn.Module) -> dict:
     return {"params": params, "tensor_bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
 
 
+def resident_bytes(model: nn.Module) -> int:
+    """Bytes the model's tensors occupy in memory now (each storage once): parameters, buffers
+    and any layout a layer prepared for its kernel (``_layout``), whatever the file holds."""
+    tensors = [*model.parameters(), *model.buffers()]
+    for module in model.modules():
+        tensors += [t for t in getattr(module, "_layout", ()) if isinstance(t, torch.Tensor)]
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
 def structure(model: nn.Module) -> dict:
     modules, aliases = {}, _module_aliases(model)
     for name, module in model.named_modules():

@@ -109,13 +109,29 @@ def measure(model_cfg: ModelConfig, cfg: BenchConfig, quiet: bool = False) -> di
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     stats, file_bytes = storage.stats(model), weight_files_bytes(model_cfg)
     return {"params": stats["params"], "weights_mb": stats["tensor_bytes"] / 2**20,
+            "resident_mb": storage.resident_bytes(model) / 2**20, "kernel": kernel_path(model),
             "file_mb": None if file_bytes is None else file_bytes / 2**20, "load_s": load_s, "peak_memory_mb": peak,
             "device": str(model_device(model)), "shapes": [{"batch": b, "seq_len": s, **r} for (b, s), r in shapes.items()]}
 
 
+def kernel_path(model: nn.Module) -> str:
+    """How the model's compressed layers compute, in words (for the report)."""
+    from .. import kernels
+    from ..methods.kmeans import PalettizedLinear
+
+    pal = [m for m in model.modules() if isinstance(m, PalettizedLinear)]
+    if not pal:
+        return "dense/low-rank matmuls (torch)"
+    if model_device(model).type != "cpu" or kernels.lut() is None:
+        return f"palettized: weight materialised per forward (torch; {kernels.status()})"
+    lut = sum(m._kernel_layout() is not None for m in pal)
+    return f"palettized: LUT kernel {kernels.status()} on {lut}/{len(pal)} layers, the rest torch"
+
+
 def comparison_rows(results: dict[str, dict]) -> list[dict]:
     """One row per measure, one column per model, plus compressed/original when both exist."""
-    measures = [("params", "params"), ("weights MB", "weights_mb"), ("file MB", "file_mb"), ("load s", "load_s"),
+    measures = [("params", "params"), ("weights MB", "weights_mb"), ("resident weights MB", "resident_mb"),
+                ("file MB", "file_mb"), ("load s", "load_s"),
                 ("peak memory MB", "peak_memory_mb")]
     rows = [{"measure": label, **{m: r[key] for m, r in results.items()}} for label, key in measures]
     first = next(iter(results.values()))
@@ -147,7 +163,8 @@ def step_bench(recipe: Recipe) -> dict:
         with ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn")) as pool:
             results[label] = pool.submit(measure, mcfg, cfg, ui.QUIET).result()
     rows = comparison_rows(results)
-    out = {"table": rows, "details": results, "timing": "cuda events" if "cuda" in results["original"]["device"] else
+    out = {"table": rows, "kernels": {label: r["kernel"] for label, r in results.items()}, "details": results,
+           "timing": "cuda events" if "cuda" in results["original"]["device"] else
            f"wall clock, median of {cfg.repeats} after {cfg.warmup} warm-up"}
     report.write(recipe.out, "bench", out, recipe_dict(recipe))
     ui.show("bench", rows)

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from pydantic import Field, model_validator
 from torch import nn
 
-from .. import ui
+from .. import kernels, ui
 from ..arch import LINEAR_TYPES, Conv1D, discover, distinct, match_modules, replace_everywhere, weight_of
 from ..calibrate import shared_grams
 from ..clustering import Init, assign, cluster
@@ -143,7 +143,7 @@ class PalettizedLinear(CompressedLinear):
                     None if stream is None else len(stream.data), conv1d, codebook_dtype,
                     0 if outliers is None else outliers[0].numel())
         stored = getattr(torch, codebook_dtype)
-        layer.codebook = nn.Parameter(codebook.detach().to(stored).to(codebook.dtype))
+        layer.codebook = nn.Parameter(codebook.detach().to(stored).to(codebook.dtype).clone())  # its own storage
         layer.indices = pack(indices, layer.bits)
         if outliers is not None:
             layer.outlier_index = outliers[0].to(torch.int32)
@@ -185,7 +185,42 @@ class PalettizedLinear(CompressedLinear):
         return w.flatten().index_put((self.outlier_index.long(),), self.outlier_value.to(w.dtype)).view_as(w)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.dense_weight().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        y = self._lut_forward(x)
+        if y is None:  # the reference path: materialise the weight
+            return F.linear(x, self.dense_weight().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        return y if self.bias is None else y + self.bias
+
+    def _kernel_layout(self) -> tuple[torch.Tensor, int, torch.Tensor] | None:
+        """(indices as the LUT kernel reads them, their width, each outlier's index), prepared once
+        and kept while the indices stay the same: the stored bytes themselves at 4 and 8 bits,
+        re-packed as nibbles (1-3 bits) or bytes (5-7 bits) otherwise. None: scalar codebooks only."""
+        if self.cluster_dim != 1 or self.in_features % 2:
+            return None
+        key = (self.indices.data_ptr(), self.indices._version)
+        if getattr(self, "_layout_key", None) != key:
+            idx = self.index_matrix()
+            width = 4 if self.bits <= 4 else 8
+            layout = self.indices if self.bits in (4, 8) else pack(idx, 4) if width == 4 else idx.to(torch.uint8).flatten()
+            at = idx.flatten()[self.outlier_index.long()] if self.outliers else idx.new_empty(0)
+            self._layout, self._layout_key = (layout, width, at), key
+        return self._layout
+
+    def _lut_forward(self, x: torch.Tensor) -> torch.Tensor | None:
+        """x @ Wᵀ by the look-up-table kernel (wscompress.kernels), never forming W; None where it does not apply."""
+        layout = self._kernel_layout()
+        if layout is None:
+            return None
+        indices, width, at = layout
+        tables = self.codebook[..., 0]
+        if width == 4 and tables.shape[1] < 16:
+            tables = F.pad(tables, (0, 16 - tables.shape[1]))
+        y = kernels.palettized_linear(x, indices, width, tables, self.group_size, self.out_features)
+        if y is not None and self.outliers:  # the exact weights kept aside: add their difference to the codebook value
+            pos = self.outlier_index.long()
+            rows, cols = pos // self.in_features, pos % self.in_features
+            delta = self.outlier_value - self.codebook[rows // self.group_size, at, 0]
+            y.index_add_(-1, rows, x[..., cols] * delta)
+        return y
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         """Fine-tuning a palettized layer trains its centroids (Deep Compression)."""

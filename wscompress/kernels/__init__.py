@@ -1,0 +1,74 @@
+"""Compiled kernels: look-up-table matmul for palettized weights on CPU (``lut.cpp``).
+
+``make install`` builds them (``python -m wscompress.kernels.build``) with torch's C++ extension
+tools into ``<cache>/kernels/torch-<version>``; later processes load the built library. Where
+they cannot be built or loaded (no compiler, an unusual platform) or ``WSCOMPRESS_KERNELS=0``,
+``lut()`` returns None, ``status()`` says why, and layers use their pure-torch path, which
+gives the same results.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import cache
+from pathlib import Path
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+
+SOURCE = Path(__file__).with_name("lut.cpp")
+DECODE_ROWS = 8  # inputs with at most this many rows (decoding) use the LUT matmul; longer ones decode the weight
+
+
+@cache
+def _load() -> tuple[ModuleType | None, str]:
+    if os.environ.get("WSCOMPRESS_KERNELS", "1") == "0":
+        return None, "disabled by WSCOMPRESS_KERNELS=0"
+    from ..model import cache_dir
+
+    build = cache_dir() / "kernels" / f"torch-{torch.__version__}"
+    build.mkdir(parents=True, exist_ok=True)
+    try:
+        from torch.utils.cpp_extension import load
+
+        module = load(name="wscompress_lut", sources=[str(SOURCE)], build_directory=str(build), verbose=False,
+                      extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
+    except Exception as err:  # noqa: BLE001 - any build or load failure means: use the torch path
+        return None, f"not built ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
+    return module, f"lut.cpp ({'AVX-512' if 'avx512f' in _cpu_flags() else 'scalar'})"
+
+
+def _cpu_flags() -> str:
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+
+
+def lut() -> ModuleType | None:
+    """The compiled module, or None when it is not available (see ``status``)."""
+    return _load()[0]
+
+
+def status() -> str:
+    """Which CPU path palettized layers use, in words."""
+    return _load()[1]
+
+
+def palettized_linear(x: torch.Tensor, indices: torch.Tensor, width: int, tables: torch.Tensor, group_size: int,
+                      out_features: int) -> torch.Tensor | None:
+    """x @ Wᵀ (no bias) for a palettized W whose row r reads ``tables[r // group_size]`` at its
+    indices (``width`` 4: two per byte, low nibble first; 8: one per byte), or None where the
+    kernel does not apply (not CPU float32, kernels unavailable, gradients needed)."""
+    module = lut()
+    if module is None or x.device.type != "cpu" or x.dtype != torch.float32 or torch.is_grad_enabled() and (
+            x.requires_grad or tables.requires_grad):
+        return None
+    flat = x.reshape(-1, x.shape[-1]).contiguous()
+    tables = tables.detach().float().contiguous()
+    if flat.shape[0] <= DECODE_ROWS:
+        y = module.lut_linear(flat, indices, tables, width, group_size, out_features)
+    else:  # prefill: decode this layer's dense weight once (transient) and let the BLAS multiply
+        y = F.linear(flat, module.lut_dense(indices, tables, width, group_size, out_features, flat.shape[1]))
+    return y.view(*x.shape[:-1], out_features)

@@ -1,0 +1,168 @@
+// Look-up-table matmul for palettized weights (wscompress PalettizedLinear, cluster_dim 1).
+//
+// Weight row r reads codebook r / group_size (a table of up to 16 floats for nibble indices,
+// up to 256 for byte indices). The weight is never materialised for small batches: each block
+// of 16 indices becomes 16 weights in one register (AVX-512 permute for nibbles, gather for
+// bytes) and is multiplied into up to 8 input rows at once. For long inputs (prefill) the caller
+// decodes the dense weight with lut_dense, one layer at a time, and uses the BLAS.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+namespace {
+
+template <int W>  // index width in bits: 4 (two per byte, low nibble first) or 8
+inline int64_t index_at(const uint8_t* row, int64_t j) {
+  if constexpr (W == 4) return (row[j >> 1] >> ((j & 1) * 4)) & 15;
+  else return row[j];
+}
+
+#ifdef __AVX512F__
+template <int W>
+inline __m512 decode16(const uint8_t* row, int64_t j, const float* table, __m512 t16) {
+  if constexpr (W == 4) {
+    __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + (j >> 1)));
+    __m128i mask = _mm_set1_epi8(0x0F);
+    __m128i idx = _mm_unpacklo_epi8(_mm_and_si128(b, mask), _mm_and_si128(_mm_srli_epi16(b, 4), mask));
+    return _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(idx), t16);
+  } else {
+    __m128i idx = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + j));
+    return _mm512_i32gather_ps(_mm512_cvtepu8_epi32(idx), table, 4);
+  }
+}
+#endif
+
+// y[m, r] = sum_j table[r][idx[r, j]] * x[m, j] for M <= 8 input rows, R weight rows at a
+// time (independent accumulators keep the FMA units busy when M is small).
+template <int W, int M, int R>
+void gemv_rows(const float* x, const uint8_t* idx, const float* tables, int64_t k, int64_t group_size,
+               int64_t in, int64_t out, float* y, int64_t r0, int64_t r1) {
+  const int64_t row_bytes = W == 4 ? in / 2 : in;
+  int64_t r = r0;
+  for (; r + R <= r1; r += R) {
+    const uint8_t* row[R];
+    const float* table[R];
+    for (int i = 0; i < R; ++i) {
+      row[i] = idx + (r + i) * row_bytes;
+      table[i] = tables + ((r + i) / group_size) * k;
+    }
+    float sums[R][M];
+    int64_t j = 0;
+#ifdef __AVX512F__
+    __m512 t16[R];
+    __m512 acc[R][M];
+    for (int i = 0; i < R; ++i) {
+      t16[i] = W == 4 ? _mm512_loadu_ps(table[i]) : _mm512_setzero_ps();
+      for (int m = 0; m < M; ++m) acc[i][m] = _mm512_setzero_ps();
+    }
+    for (; j + 16 <= in; j += 16) {
+      __m512 xs[M];
+      for (int m = 0; m < M; ++m) xs[m] = _mm512_loadu_ps(x + m * in + j);
+      for (int i = 0; i < R; ++i) {
+        __m512 w = decode16<W>(row[i], j, table[i], t16[i]);
+        for (int m = 0; m < M; ++m) acc[i][m] = _mm512_fmadd_ps(w, xs[m], acc[i][m]);
+      }
+    }
+    for (int i = 0; i < R; ++i)
+      for (int m = 0; m < M; ++m) sums[i][m] = _mm512_reduce_add_ps(acc[i][m]);
+#else
+    for (int i = 0; i < R; ++i)
+      for (int m = 0; m < M; ++m) sums[i][m] = 0.f;
+#endif
+    for (; j < in; ++j)
+      for (int i = 0; i < R; ++i) {
+        float w = table[i][index_at<W>(row[i], j)];
+        for (int m = 0; m < M; ++m) sums[i][m] += w * x[m * in + j];
+      }
+    for (int i = 0; i < R; ++i)
+      for (int m = 0; m < M; ++m) y[m * out + r + i] = sums[i][m];
+  }
+  if constexpr (R > 1) {
+    if (r < r1) gemv_rows<W, M, 1>(x, idx, tables, k, group_size, in, out, y, r, r1);
+  }
+}
+
+template <int W>
+void decode_rows(const uint8_t* idx, const float* tables, int64_t k, int64_t group_size, int64_t in,
+                 float* dense, int64_t r0, int64_t r1) {
+  const int64_t row_bytes = W == 4 ? in / 2 : in;
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* row = idx + r * row_bytes;
+    const float* table = tables + (r / group_size) * k;
+    float* out = dense + (r - r0) * in;
+    int64_t j = 0;
+#ifdef __AVX512F__
+    __m512 t16 = W == 4 ? _mm512_loadu_ps(table) : _mm512_setzero_ps();
+    for (; j + 16 <= in; j += 16) _mm512_storeu_ps(out + j, decode16<W>(row, j, table, t16));
+#endif
+    for (; j < in; ++j) out[j] = table[index_at<W>(row, j)];
+  }
+}
+
+template <int W, int M>
+void gemv(const float* x, const uint8_t* idx, const float* tables, int64_t k, int64_t gs, int64_t in, int64_t out,
+          float* y) {
+  constexpr int R = M == 1 || M == 2 ? 4 : M <= 4 ? 2 : 1;
+  at::parallel_for(0, out, 64, [&](int64_t r0, int64_t r1) { gemv_rows<W, M, R>(x, idx, tables, k, gs, in, out, y, r0, r1); });
+}
+
+template <int W>
+torch::Tensor run(const torch::Tensor& x, const torch::Tensor& idx, const torch::Tensor& tables, int64_t group_size,
+                  int64_t out) {
+  const int64_t batch = x.size(0), in = x.size(1), k = tables.size(1);
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* ip = idx.data_ptr<uint8_t>();
+  const float* tp = tables.data_ptr<float>();
+  auto y = torch::empty({batch, out}, x.options());
+  float* yp = y.data_ptr<float>();
+  for (int64_t m0 = 0; m0 < batch; m0 += 8) {
+    const int64_t m = std::min<int64_t>(8, batch - m0);
+    const float* xm = xp + m0 * in;
+    float* ym = yp + m0 * out;
+    switch (m) {
+      case 1: gemv<W, 1>(xm, ip, tp, k, group_size, in, out, ym); break;
+      case 2: gemv<W, 2>(xm, ip, tp, k, group_size, in, out, ym); break;
+      case 3: gemv<W, 3>(xm, ip, tp, k, group_size, in, out, ym); break;
+      case 4: gemv<W, 4>(xm, ip, tp, k, group_size, in, out, ym); break;
+      case 5: gemv<W, 5>(xm, ip, tp, k, group_size, in, out, ym); break;
+      case 6: gemv<W, 6>(xm, ip, tp, k, group_size, in, out, ym); break;
+      case 7: gemv<W, 7>(xm, ip, tp, k, group_size, in, out, ym); break;
+      default: gemv<W, 8>(xm, ip, tp, k, group_size, in, out, ym);
+    }
+  }
+  return y;
+}
+
+}  // namespace
+
+// x (batch, in) float32; idx (out * in / 2 or out * in) uint8; tables (groups, k) float32, k = 16
+// for width 4 (padded), 2^bits for width 8. Returns x @ W^T (batch, out).
+torch::Tensor lut_linear(torch::Tensor x, torch::Tensor idx, torch::Tensor tables, int64_t width, int64_t group_size,
+                         int64_t out) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x: contiguous float32 (batch, in)");
+  TORCH_CHECK(idx.scalar_type() == torch::kUInt8 && idx.is_contiguous(), "idx: contiguous uint8");
+  TORCH_CHECK(tables.scalar_type() == torch::kFloat && tables.is_contiguous(), "tables: contiguous float32");
+  TORCH_CHECK(width == 4 || width == 8, "width must be 4 or 8");
+  TORCH_CHECK(idx.numel() * (width == 4 ? 2 : 1) == out * x.size(1), "idx size does not match (out, in)");
+  return width == 4 ? run<4>(x, idx, tables, group_size, out) : run<8>(x, idx, tables, group_size, out);
+}
+
+// The dense (out, in) weight, for paths that need it (export, reference checks).
+torch::Tensor lut_dense(torch::Tensor idx, torch::Tensor tables, int64_t width, int64_t group_size, int64_t out,
+                        int64_t in) {
+  auto dense = torch::empty({out, in}, tables.options());
+  const uint8_t* ip = idx.data_ptr<uint8_t>();
+  const float* tp = tables.data_ptr<float>();
+  float* dp = dense.data_ptr<float>();
+  const int64_t k = tables.size(1);
+  at::parallel_for(0, out, 64, [&](int64_t r0, int64_t r1) {
+    if (width == 4) decode_rows<4>(ip, tp, k, group_size, in, dp + r0 * in, r0, r1);
+    else decode_rows<8>(ip, tp, k, group_size, in, dp + r0 * in, r0, r1);
+  });
+  return dense;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("lut_linear", &lut_linear, "x @ W^T for a palettized W (look-up-table matmul)");
+  m.def("lut_dense", &lut_dense, "the dense weight of a palettized layer");
+}
