@@ -179,3 +179,13 @@ def test_refit_ridge_pulls_toward_the_prior():
     assert torch.allclose(refit_coefficients(w, basis, x.T @ x, ridge=1e9, prior=prior), prior, atol=1e-6)
     mid = refit_coefficients(w, basis, x.T @ x, ridge=1.0, prior=prior)
     assert (mid - prior).norm() < (free - prior).norm()
+
+
+def test_blocked_gram_equals_the_full_product():
+    from wscompress.linalg import gram
+
+    x = torch.randn(300, 1100, dtype=torch.float32)
+    ref = x.double().T @ x.double()
+    g = gram(x)
+    assert g.dtype == torch.float64 and torch.equal(g, g.T)
+    torch.testing.assert_close(g, ref, rtol=1e-12, atol=1e-9)

@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers.cache_utils import Cache
 
-from . import ui
+from . import linalg, ui
 from .arch import Arch, discover, first_names, get_module, is_linear, weight_of
 from .errors import UsageError
 from .model import model_device
@@ -181,8 +181,7 @@ class GramHook:
             self._seen.pop(self._last.get(name), None)  # the previous batch's input is done with
             self._seen[key], self._last[name] = (name, x), key
             self.owner.setdefault(name, name)
-            x = x.reshape(-1, x.shape[-1]).double()
-            g = x.T @ x
+            g = linalg.gram(x.reshape(-1, x.shape[-1]))
             self.grams[name] = self.grams[name] + g if name in self.grams else g
         return hook
 

@@ -24,7 +24,7 @@ from torch import nn
 
 from .arch import Arch, get_module, replace_everywhere, weight_of
 from .calibrate import layerwise, run_layer
-from .linalg import refit_coefficients
+from .linalg import gram, refit_coefficients
 
 
 class FirstInput:
@@ -55,8 +55,7 @@ class FirstInput:
             if self._batches == 1:
                 self.names.append(name)
             if name == self.names[0]:
-                flat = x.reshape(-1, x.shape[-1]).double()
-                g = flat.T @ flat
+                g = gram(x.reshape(-1, x.shape[-1]))
                 self.gram = g if self.gram is None else self.gram + g
         return hook
 

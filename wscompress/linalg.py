@@ -26,6 +26,26 @@ def rank_for_ratio(d_in: int, d_out: int, ratio: float, n: int = 1) -> int:
     return k
 
 
+def gram(x: torch.Tensor, blocks: int = 4) -> torch.Tensor:
+    """XᵀX (float64) of x (tokens, d). For wide x only the column blocks on and above the
+    diagonal are multiplied and the rest mirrored: (blocks + 1) / (2·blocks) of the work of
+    the full product (the BLAS has no symmetric rank-k update in torch)."""
+    x = x.double()
+    d = x.shape[1]
+    if d < 256 * blocks:
+        return x.T @ x
+    edges = [round(i * d / blocks) for i in range(blocks + 1)]
+    out = x.new_empty(d, d)
+    for i in range(blocks):
+        a, b = edges[i], edges[i + 1]
+        for j in range(i, blocks):
+            c, e = edges[j], edges[j + 1]
+            out[a:b, c:e] = x[:, a:b].T @ x[:, c:e]
+            if j != i:
+                out[c:e, a:b] = out[a:b, c:e].T
+    return out
+
+
 def whitening(gram: torch.Tensor) -> tuple[torch.Tensor, str]:
     """Lower-triangular S with S·Sᵀ = G (Cholesky, float64), and how it was obtained.
 
