@@ -37,7 +37,12 @@ from .recipe import FinetuneConfig, Recipe
 CKPT = "finetune-checkpoint"
 # what must match for a checkpoint to continue the same run
 RESUME_KEYS = ("mode", "dataset", "seq_len", "batch_size", "grad_accum", "steps", "lr", "weight_decay", "schedule",
-               "warmup_steps", "penalty", "lora_rank", "lora_alpha", "lora_targets", "dkm", "bos", "seed")
+               "warmup_steps", "penalty", "lora_rank", "lora_alpha", "lora_targets", "dkm", "bos", "distill", "seed")
+
+
+def _run_config(cfg: FinetuneConfig) -> dict:
+    """The settings a checkpoint records (as JSON values)."""
+    return {k: v.model_dump() if hasattr(v, "model_dump") else v for k in RESUME_KEYS for v in [getattr(cfg, k)]}
 
 
 def method_parameters(model: nn.Module) -> list[nn.Parameter]:
@@ -134,7 +139,7 @@ def _save_checkpoint(path: Path, step: int, params: list[torch.Tensor], opt, sch
     tmp.mkdir(parents=True)
     save_file({f"p{i}": p.detach().contiguous().cpu() for i, p in enumerate(params)}, tmp / "params.safetensors")
     torch.save({"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "rng": _rng_state()}, tmp / "state.pt")
-    run = {k: getattr(cfg, k) for k in RESUME_KEYS}
+    run = _run_config(cfg)
     (tmp / "progress.json").write_text(json.dumps({"step": step, "history": history, "config": run}))
     shutil.rmtree(path, ignore_errors=True)
     tmp.rename(path)
@@ -142,7 +147,7 @@ def _save_checkpoint(path: Path, step: int, params: list[torch.Tensor], opt, sch
 
 def _load_checkpoint(path: Path, params: list[torch.Tensor], opt, sched, cfg: FinetuneConfig) -> tuple[int, list]:
     progress = json.loads((path / "progress.json").read_text())
-    changed = [k for k in RESUME_KEYS if progress["config"].get(k) != getattr(cfg, k)]
+    changed = [k for k, v in _run_config(cfg).items() if progress["config"].get(k) != v]
     if changed:
         raise UsageError(f"{path}: the checkpoint is of another run (finetune.{', finetune.'.join(changed)} differ)",
                          "resume with the recipe the run started with, or drop --resume to start over")
@@ -176,15 +181,29 @@ def _mixed_precision(cfg: FinetuneConfig, device: torch.device, params: list[nn.
 
 
 def finetune(model: nn.Module, tokenizer, recipe: Recipe, resume: bool = False,
-             stop_after: int | None = None, extra_loss: Callable[[nn.Module], torch.Tensor] | None = None) -> tuple[nn.Module, dict]:
+             stop_after: int | None = None, extra_loss: Callable[[nn.Module], torch.Tensor] | None = None,
+             teacher: nn.Module | None = None) -> tuple[nn.Module, dict]:
     """Train ``model`` per ``recipe.finetune``; returns (the trained model, losses and perplexities).
 
     ``stop_after`` ends the loop early (as an interruption would) after saving a checkpoint.
     ``extra_loss`` adds a regulariser (e.g. soft_share's Frobenius penalty on its deltas).
+    With ``finetune.distill`` the loss is distillation from ``teacher`` (default: the recipe's
+    model, loaded here; see ``distill``).
     """
     cfg = recipe.finetune
     torch.manual_seed(cfg.seed)
     device = model_device(model)
+    if cfg.distill is not None:
+        from .distill import check_pair, distill_loss, load_teacher
+
+        if teacher is None:
+            teacher = load_teacher(recipe.model, cfg.distill, model, tokenizer)
+        else:
+            check_pair(teacher, tokenizer, model, tokenizer)
+        compute = distill_loss(teacher, cfg.distill)
+    else:
+        def compute(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+            return m(input_ids=x, labels=x, use_cache=False).loss
     model, params, state, finalize = prepare(model, cfg)
     if cfg.penalty > 0:
         extra_loss = with_penalty(model, cfg.penalty, extra_loss)
@@ -224,7 +243,7 @@ def finetune(model: nn.Module, tokenizer, recipe: Recipe, resume: bool = False,
                                        seed=cfg.seed * 1_000_003 + step * cfg.grad_accum + micro, bos_id=bos_id)
             x = x.to(device)
             with autocast:
-                loss = model(input_ids=x, labels=x, use_cache=False).loss
+                loss = compute(model, x)
                 if extra_loss is not None:
                     loss = loss + extra_loss(model)
             scaler.scale(loss / cfg.grad_accum).backward()
@@ -252,5 +271,5 @@ def finetune(model: nn.Module, tokenizer, recipe: Recipe, resume: bool = False,
     for p in model.parameters():
         p.requires_grad_(False)
     result = finalize()
-    return model, {"mode": cfg.mode, "steps": cfg.steps, "bos": bos, "trainable_params": trainable, "final_loss": history[-1]["loss"] if history else None,
+    return model, {"mode": cfg.mode, "steps": cfg.steps, "bos": bos, "distill": None if cfg.distill is None else cfg.distill.model_dump(), "trainable_params": trainable, "final_loss": history[-1]["loss"] if history else None,
                    "final_ppl": final_ppl, "seconds": round(time.perf_counter() - start, 2), "history": history, **result}

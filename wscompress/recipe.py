@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .errors import UsageError
 
@@ -59,6 +59,22 @@ class StageConfig(Strict):
     ignore: list[str] = Field(default_factory=list, description="regexes of modules to leave alone")
 
 
+class DistillConfig(Strict):
+    """Knowledge distillation from the original model (the recipe's ``model``) as teacher."""
+
+    kl: float = Field(1.0, ge=0, description="weight of KL(teacher || student) on the logits, x temperature^2")
+    temperature: float = Field(1.0, gt=0)
+    lm: float = Field(0.0, ge=0, description="weight of the language-model loss on the text")
+    hidden: float = Field(0.0, ge=0, description="weight of the decoder layers' output MSE (relative to the teacher's)")
+    teacher_device: Literal["same", "cpu"] = Field("same", description="where the teacher runs")
+
+    @model_validator(mode="after")
+    def _some_loss(self):
+        if self.kl == self.lm == self.hidden == 0:
+            raise ValueError("every loss weight is 0 (set kl, lm or hidden)")
+        return self
+
+
 class FinetuneConfig(Strict):
     enabled: bool = True
     mode: Literal["lora", "method", "full", "dkm"] = "method"
@@ -81,6 +97,7 @@ class FinetuneConfig(Strict):
     penalty: float = Field(0.0, ge=0, description="Frobenius penalty on low-rank deltas (soft_share)")
     dkm: dict[str, Any] = Field(default_factory=dict, description="options of the dkm mode")
     bos: Literal["auto", "window", "stream", "none"] = Field("auto", description=BOS_HELP)
+    distill: DistillConfig | None = Field(None, description="distil from the original model instead of the LM loss alone")
     seed: int = 0
 
 

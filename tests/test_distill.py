@@ -1,0 +1,78 @@
+"""Distillation from the original model (finetune.distill)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pathlib import Path
+
+from conftest import WIKI_TEST, tiny_model
+from test_finetune import recipe, svd_model
+
+from wscompress import compress
+from wscompress.distill import distill_loss
+from wscompress.errors import UsageError
+from wscompress.finetune import finetune
+from wscompress.recipe import DistillConfig
+
+IDS = torch.randint(0, 512, (4, 32), generator=torch.Generator().manual_seed(5))
+
+
+def agreement(student, teacher, ids: torch.Tensor) -> float:
+    """1 - the mean total-variation distance of the two next-token distributions (1: identical).
+    (Top-1 agreement says little here: a random tiny model predicts a few tokens everywhere.)"""
+    with torch.no_grad():
+        p, q = student(input_ids=ids).logits.softmax(-1), teacher(input_ids=ids).logits.softmax(-1)
+        return 1 - 0.5 * (p - q).abs().sum(-1).mean().item()
+
+
+def held_out(tokenizer) -> torch.Tensor:
+    return tokenizer(Path(WIKI_TEST).read_text()[:20_000], return_tensors="pt").input_ids[0][:256].view(8, 32)
+
+
+def test_loss_is_zero_when_the_student_is_the_teacher():
+    teacher = tiny_model("llama")
+    loss = distill_loss(teacher, DistillConfig(kl=1.0, temperature=2.0, hidden=1.0))(tiny_model("llama"), IDS)
+    assert abs(loss.item()) < 1e-6
+    assert distill_loss(teacher, DistillConfig(kl=1.0))(svd_model(), IDS).item() > 1e-4  # a compressed student differs
+
+
+def test_distillation_lowers_the_kd_loss_and_raises_agreement(tmp_path, tokenizer):
+    """On held-out text, a heavily compressed student's KL to the teacher falls and it gives the
+    teacher's top tokens more probability."""
+    teacher, student = tiny_model("llama"), tiny_model("llama")
+    compress(student, [{"method": "svd", "ratio": 0.7, "whitening": False}])
+    ids, kl = held_out(tokenizer), distill_loss(teacher, DistillConfig(kl=1.0))
+    before = (kl(student, ids).item(), agreement(student, teacher, ids))
+    kd = {"kl": 1.0, "temperature": 2.0, "hidden": 0.5}
+    student, out = finetune(student, tokenizer, recipe(tmp_path, mode="method", steps=16, distill=kd), teacher=teacher)
+    assert out["distill"]["hidden"] == 0.5
+    with torch.no_grad():
+        assert kl(student, ids).item() < 0.7 * before[0]
+    assert agreement(student, teacher, ids) > before[1]
+
+
+def test_resumed_distillation_equals_an_uninterrupted_run(tmp_path, tokenizer):
+    opts = {"mode": "method", "distill": {"kl": 1.0, "lm": 0.5}}
+    teacher = tiny_model("llama")
+    _, full = finetune(svd_model(), tokenizer, recipe(tmp_path / "a", **opts), teacher=teacher)
+    r = recipe(tmp_path / "b", **opts)
+    finetune(svd_model(), tokenizer, r, stop_after=3, teacher=teacher)
+    _, resumed = finetune(svd_model(), tokenizer, r, resume=True, teacher=teacher)
+    assert resumed["final_loss"] == pytest.approx(full["final_loss"], rel=1e-6)
+    with pytest.raises(UsageError, match="finetune.distill"):  # another distillation setting: another run
+        finetune(svd_model(), tokenizer, recipe(tmp_path / "b", mode="method", distill={"kl": 2.0}), resume=True,
+                 teacher=teacher)
+
+
+def test_a_teacher_with_another_vocabulary_is_refused(tmp_path, tokenizer):
+    with pytest.raises(UsageError, match="vocabulary"):
+        finetune(svd_model(), tokenizer, recipe(tmp_path, distill={"kl": 1.0}), teacher=tiny_model("llama", vocab_size=640))
+
+
+def test_distill_options_are_checked():
+    from wscompress.recipe import load_recipe
+
+    for bad in ({"kl": 0, "lm": 0, "hidden": 0}, {"temperature": 0}, {"teacher": "x"}):
+        with pytest.raises(UsageError):
+            load_recipe(data={"finetune": {"distill": bad}})
