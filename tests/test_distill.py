@@ -76,3 +76,16 @@ def test_distill_options_are_checked():
     for bad in ({"kl": 0, "lm": 0, "hidden": 0}, {"temperature": 0}, {"teacher": "x"}):
         with pytest.raises(UsageError):
             load_recipe(data={"finetune": {"distill": bad}})
+
+
+def test_layerwise_distillation_lowers_every_layers_error(tmp_path, tokenizer):
+    """Each compressed layer, trained on the inputs the recovered layers before it produce,
+    reproduces the teacher's layer better than before; the global phase then runs as usual."""
+    teacher, student = tiny_model("llama"), tiny_model("llama")
+    compress(student, [{"method": "svd", "ratio": 0.7, "whitening": False}])
+    kd = {"kl": 1.0, "layerwise_steps": 20, "layerwise_lr": 3e-3, "layerwise_samples": 8}
+    _, out = finetune(student, tokenizer, recipe(tmp_path, mode="method", steps=2, distill=kd), teacher=teacher)
+    rows = out["layerwise"]
+    assert [r["layer"] for r in rows] == [0, 1, 2, 3] and all(r["trained"] > 0 for r in rows)
+    assert all(r["rel_error_after"] < 0.9 * r["rel_error_before"] for r in rows), rows
+    assert len(out["history"]) == 2

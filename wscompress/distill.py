@@ -5,6 +5,12 @@ temperature T (Hinton et al. 2015), plus ``lm`` x the language-model loss on the
 ``hidden`` x the mean over decoder layers of ‖h_student − h_teacher‖² / ‖h_teacher‖² (the
 layers' outputs; both models have the same depth unless a stage dropped layers, which is refused).
 The teacher runs without gradients, on the student's device or on the CPU.
+
+``layerwise`` is local distillation, run before the global loss and memory-bounded like
+calibration: decoder layer by decoder layer, the student's layer is trained to reproduce the
+teacher's layer on the inputs the (already recovered) student layers before it produce, then
+its outputs feed the next layer. Only one layer's activations and gradients exist at a time. A
+layer whose error on its inputs training did not lower keeps its parameters.
 """
 
 from __future__ import annotations
@@ -15,6 +21,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import ui
+from .arch import discover
+from .calibrate import layerwise as layer_by_layer
+from .calibrate import run_layer
 from .errors import UsageError
 from .model import load_model, model_device
 from .recipe import DistillConfig, ModelConfig
@@ -64,3 +74,62 @@ def load_teacher(cfg: ModelConfig, distill: DistillConfig, student: nn.Module, s
     check_pair(teacher, tok, student, student_tok)
     teacher.eval().requires_grad_(False)
     return teacher
+
+
+def layerwise(student: nn.Module, teacher: nn.Module, batches: list[torch.Tensor], params: list[nn.Parameter],
+              steps: int, lr: float) -> list[dict]:
+    """Local distillation (module docstring) of the trainable ``params`` inside each decoder
+    layer; returns per layer the relative output error before and after, on its inputs."""
+    teacher_layers = discover(teacher).layers
+    chosen = {id(p) for p in params}
+    rows = []
+    for i, layer, inputs in layer_by_layer(student, batches, label="layer-wise distillation"):
+        mine = [p for p in layer.parameters() if id(p) in chosen]
+        device = model_device(teacher)
+        with torch.no_grad():
+            targets = [t.to(inputs.hidden[0].device) for t in run_layer(teacher_layers[i], _moved(inputs, device))]
+
+        def error() -> float:
+            with torch.no_grad():
+                outs = run_layer(layer, inputs)
+            return (sum((o - t).pow(2).sum().item() for o, t in zip(outs, targets))
+                    / sum(t.pow(2).sum().item() for t in targets))
+
+        before = error()
+        saved = [p.detach().clone() for p in mine]
+        if mine and steps:
+            opt = torch.optim.Adam(mine, lr=lr)
+            with torch.enable_grad():
+                for step in range(steps):
+                    b = step % len(inputs.hidden)
+                    args, kwargs = inputs.calls[b]
+                    out = layer(inputs.hidden[b], *args, **kwargs)
+                    out = out[0] if isinstance(out, tuple) else out
+                    loss = (out - targets[b]).pow(2).mean() / targets[b].pow(2).mean().clamp_min(1e-12)
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+        after = error()
+        if after > before:  # training did not help this layer on its own inputs: keep what it had
+            with torch.no_grad():
+                for p, old in zip(mine, saved):
+                    p.copy_(old)
+            after = before
+        rows.append({"layer": i, "trained": sum(p.numel() for p in mine), "rel_error_before": before,
+                     "rel_error_after": after})
+        ui.log(f"layer {i}: relative output error {before:.4g} -> {rows[-1]['rel_error_after']:.4g}")
+    return rows
+
+
+def _moved(inputs, device: torch.device):
+    """The layer inputs on ``device`` (the teacher may run on the CPU)."""
+    from .calibrate import LayerInputs
+
+    def move(v):
+        if isinstance(v, torch.Tensor):
+            return v.to(device)
+        if isinstance(v, tuple):
+            return tuple(move(a) for a in v)
+        return v
+    return LayerInputs([h.to(device) for h in inputs.hidden],
+                       [(tuple(move(a) for a in args), {k: move(v) for k, v in kw.items()}) for args, kw in inputs.calls])

@@ -235,6 +235,14 @@ def finetune(model: nn.Module, tokenizer, recipe: Recipe, resume: bool = False,
 
     trainable = sum(p.numel() for p in params)
     start = time.perf_counter()
+    local = None
+    if cfg.distill is not None and cfg.distill.layerwise_steps and first == 0:  # a resumed run has done it
+        from .distill import layerwise
+
+        d = cfg.distill
+        batches = data.sample_batches(train_ids, d.layerwise_samples, cfg.seq_len, cfg.batch_size, seed=cfg.seed,
+                                      bos_id=bos_id)
+        local = layerwise(model, teacher, [b.to(device) for b in batches], params, d.layerwise_steps, d.layerwise_lr)
     model.train()
     for step in ui.track(range(first, cfg.steps), "finetune steps", total=cfg.steps - first):
         total = 0.0
@@ -271,5 +279,6 @@ def finetune(model: nn.Module, tokenizer, recipe: Recipe, resume: bool = False,
     for p in model.parameters():
         p.requires_grad_(False)
     result = finalize()
-    return model, {"mode": cfg.mode, "steps": cfg.steps, "bos": bos, "distill": None if cfg.distill is None else cfg.distill.model_dump(), "trainable_params": trainable, "final_loss": history[-1]["loss"] if history else None,
+    return model, {"mode": cfg.mode, "steps": cfg.steps, "bos": bos, "distill": None if cfg.distill is None else cfg.distill.model_dump(),
+                   "layerwise": local, "trainable_params": trainable, "final_loss": history[-1]["loss"] if history else None,
                    "final_ppl": final_ppl, "seconds": round(time.perf_counter() - start, 2), "history": history, **result}

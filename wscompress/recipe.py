@@ -67,6 +67,10 @@ class DistillConfig(Strict):
     lm: float = Field(0.0, ge=0, description="weight of the language-model loss on the text")
     hidden: float = Field(0.0, ge=0, description="weight of the decoder layers' output MSE (relative to the teacher's)")
     teacher_device: Literal["same", "cpu"] = Field("same", description="where the teacher runs")
+    layerwise_steps: int = Field(0, ge=0, description="first, Adam steps per decoder layer of local distillation "
+                                                      "(each layer fits the teacher's layer on its own inputs)")
+    layerwise_lr: float = Field(1e-5, gt=0)
+    layerwise_samples: int = Field(32, gt=0, description="training sequences the layer-wise pass runs on")
 
     @model_validator(mode="after")
     def _some_loss(self):

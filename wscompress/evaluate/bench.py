@@ -124,7 +124,7 @@ def kernel_path(model: nn.Module) -> str:
         return "dense/low-rank matmuls (torch)"
     if model_device(model).type != "cpu" or kernels.lut() is None:
         return f"palettized: weight materialised per forward (torch; {kernels.status()})"
-    lut = sum(m._kernel_layout() is not None for m in pal)
+    lut = sum(m.kernel_layout() is not None for m in pal)
     return f"palettized: LUT kernel {kernels.status()} on {lut}/{len(pal)} layers, the rest torch"
 
 

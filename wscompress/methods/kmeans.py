@@ -185,12 +185,12 @@ class PalettizedLinear(CompressedLinear):
         return w.flatten().index_put((self.outlier_index.long(),), self.outlier_value.to(w.dtype)).view_as(w)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self._lut_forward(x)
+        y = self.lut_forward(x)
         if y is None:  # the reference path: materialise the weight
             return F.linear(x, self.dense_weight().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
         return y if self.bias is None else y + self.bias
 
-    def _kernel_layout(self) -> tuple[torch.Tensor, int, torch.Tensor] | None:
+    def kernel_layout(self) -> tuple[torch.Tensor, int, torch.Tensor] | None:
         """(indices as the LUT kernel reads them, their width, each outlier's index), prepared once
         and kept while the indices stay the same: the stored bytes themselves at 4 and 8 bits,
         re-packed as nibbles (1-3 bits) or bytes (5-7 bits) otherwise. None: scalar codebooks only."""
@@ -205,9 +205,9 @@ class PalettizedLinear(CompressedLinear):
             self._layout, self._layout_key = (layout, width, at), key
         return self._layout
 
-    def _lut_forward(self, x: torch.Tensor) -> torch.Tensor | None:
+    def lut_forward(self, x: torch.Tensor) -> torch.Tensor | None:
         """x @ Wᵀ by the look-up-table kernel (wscompress.kernels), never forming W; None where it does not apply."""
-        layout = self._kernel_layout()
+        layout = self.kernel_layout()
         if layout is None:
             return None
         indices, width, at = layout
