@@ -189,3 +189,13 @@ def test_blocked_gram_equals_the_full_product():
     g = gram(x)
     assert g.dtype == torch.float64 and torch.equal(g, g.T)
     torch.testing.assert_close(g, ref, rtol=1e-12, atol=1e-9)
+
+
+def test_factors_are_balanced():
+    """Each rank component's coefficient column and basis row have equal norms (a fine-tuning
+    step then moves both alike; whitened bases are otherwise orders of magnitude smaller)."""
+    gen = torch.Generator().manual_seed(4)
+    x, w = 30 * torch.randn(200, 24, generator=gen), torch.randn(16, 24, generator=gen)
+    for gram in (None, x.T.double() @ x.double()):
+        coeff, basis, _ = low_rank(w, 8, gram)
+        torch.testing.assert_close(coeff.norm(dim=0), basis.norm(dim=1))

@@ -95,11 +95,19 @@ def low_rank(w: torch.Tensor, k: int, gram: torch.Tensor | None = None) -> tuple
     k = min(k, *w.shape)
     w = w.double()
     if gram is None:
-        return (*principal_factors(w, k), "none")
+        return (*balanced(*principal_factors(w, k)), "none")
     s, how = whitening(gram.to(w.device))
     coeff, right = principal_factors(w @ s, k)
     basis = torch.linalg.solve_triangular(s, right, upper=False, left=False)  # right·S⁻¹ without forming S⁻¹
-    return coeff, basis, how
+    return (*balanced(coeff, basis), how)
+
+
+def balanced(coeff: torch.Tensor, basis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same product C·B with each rank component's column of C and row of B of equal norm
+    (U·Σ^½, Σ^½·Vᵀ rather than U·Σ, Vᵀ): whitened bases can be orders of magnitude smaller than
+    their coefficients, and a fine-tuning step (Adam's above all) must not move both alike."""
+    scale = (coeff.norm(dim=0) / basis.norm(dim=1).clamp_min(1e-30)).clamp_min(1e-30).sqrt()
+    return coeff / scale, basis * scale[:, None]
 
 
 def refit_coefficients(w: torch.Tensor, basis: torch.Tensor, gram: torch.Tensor, cross: torch.Tensor | None = None,

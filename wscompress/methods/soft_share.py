@@ -29,7 +29,7 @@ from torch import nn
 from .. import ui
 from ..arch import Arch, Conv1D, discover, get_module, require_unshared, set_module, weight_of
 from ..errors import UsageError
-from ..linalg import low_rank, principal_factors
+from ..linalg import low_rank
 from ..model import model_device
 from ..modules import CompressedLinear, register_module
 from ..recipe import StageConfig
@@ -139,14 +139,12 @@ def soft_modules(weights: list[dict[str, Weights]], rank: int,
         r = min(rank, *center.shape)
         for layer, w in enumerate(ws):
             delta = w.double() - center
-            left, right = principal_factors(delta, r) if grams is None else low_rank(delta, r, grams[layer][role])[:2]
-            # balanced factors (U·S^½, S^½·Vᵀ) train better than (U·S, Vᵀ)
-            scale = (left.norm(dim=0) / right.norm(dim=1)).clamp_min(1e-30).sqrt()
+            left, right = low_rank(delta, r, None if grams is None else grams[layer][role])[:2]  # balanced factors
             bias = weights[layer][role][1]
             module = LowRankDeltaLinear(center.shape[1], center.shape[0], r, bias is not None).to(device=device, dtype=dtype)
             module.base = base
-            module.a.copy_(left / scale)
-            module.b.copy_(right * scale[:, None])
+            module.a.copy_(left)
+            module.b.copy_(right)
             if bias is not None:
                 module.bias.copy_(bias)
             out[layer][role] = module
