@@ -35,9 +35,11 @@ REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "basis_sharing.yaml"
 METHODS = {  # label -> stage (the ratio is filled in per run)
     "SVD": {"method": "svd", "whitening": False},
-    "SVD-LLM": {"method": "svd", "whitening": True},
-    "Basis Sharing g2": {"method": "basis_sharing", "group_size": 2},
-    "Basis Sharing g4": {"method": "basis_sharing", "group_size": 4},
+    "SVD-LLM": {"method": "svd", "whitening": True, "allocation": "uniform"},
+    "Basis Sharing g2": {"method": "basis_sharing", "group_size": 2, "allocation": "uniform"},
+    "Basis Sharing g4": {"method": "basis_sharing", "group_size": 4, "allocation": "uniform"},
+    "svd (fisher allocation)": {"method": "svd"},
+    "basis_sharing g2 (fisher allocation)": {"method": "basis_sharing", "group_size": 2},
 }
 
 
@@ -107,7 +109,8 @@ def main() -> None:
     args = ap.parse_args()
     methods = {label: (stage, args.ratios) for label, stage in METHODS.items() if label in args.methods}
     if args.refit:
-        methods["Basis Sharing g2 + refit"] = ({"method": "basis_sharing", "group_size": 2, "refit": True}, args.refit)
+        methods["Basis Sharing g2 + refit"] = ({"method": "basis_sharing", "group_size": 2, "refit": True,
+                                                "allocation": "uniform"}, args.refit)
     out = args.out.resolve()
 
     # 1. the CLI steps: statistics once, one compression saved to disk
