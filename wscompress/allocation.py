@@ -39,7 +39,9 @@ class Unit:
 
 
 def spectrum(w: torch.Tensor, gram: torch.Tensor | None) -> torch.Tensor:
-    """Squared singular values of W·S (S·Sᵀ = the Gram matrix; W alone without one), descending, float64."""
+    """Squared singular values of W·S (S·Sᵀ = the Gram matrix; W alone without one), descending,
+    float64. Only the values: the stages factorise again once the ranks are known, so no more
+    than one unit's factors exist at a time (eigenvalues cost a fraction of the factorisation)."""
     a = w.double()
     if gram is not None:
         a = a @ whitening(gram.to(a.device))[0]

@@ -100,8 +100,9 @@ class PalettizedLinear(CompressedLinear):
     codebook g, and index (r, j) picks the centroid for weights W[r, j*d : (j+1)*d]. Weights
     kept aside (``outliers`` of them) replace their codebook value: ``outlier_index`` holds their
     flat positions, ``outlier_value`` their values. Codebooks and outliers are stored in
-    ``codebook_dtype`` (computed in the model's dtype). The dense weight is materialised on each
-    forward. With ``stream_bytes`` set, the file stores the indices Huffman-coded instead
+    ``codebook_dtype`` (computed in the model's dtype). On CPU the look-up-table kernel
+    (``wscompress.kernels``) computes from the indices directly; elsewhere, and while the codebook
+    trains, the dense weight is materialised on each forward. With ``stream_bytes`` set, the file stores the indices Huffman-coded instead
     (``huffman_*`` buffers) and loading decodes them.
     """
 

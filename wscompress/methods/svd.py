@@ -16,9 +16,9 @@ from pydantic import Field, model_validator
 from torch import nn
 
 from .. import ui
+from ..allocation import Unit, allocate, spectrum
 from ..arch import Arch, Conv1D, discover, distinct, get_module, match_modules, replace_everywhere, weight_of
 from ..calibrate import shared_grams
-from ..allocation import Unit, allocate, spectrum
 from ..linalg import low_rank, rank_for_ratio
 from ..modules import CompressedLinear, register_module
 from ..recipe import StageConfig
