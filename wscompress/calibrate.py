@@ -246,8 +246,8 @@ def output_sensitivity(model: nn.Module, names: list[str], batches: list[torch.T
     ``samples`` calibration sequences. An error δ in that output raises the loss by about
     ½·sensitivity·‖δ‖², so it converts a module's output error into model loss.
 
-    Needs one forward and backward of the whole model per batch (the weights get no gradients);
-    a module used by several layers sums over its uses.
+    Needs one forward and backward of the whole model per sequence (the weights get no
+    gradients); a module used by several layers sums over its uses.
     """
     modules = {n: get_module(model, n) for n in names}
     sums = {id(m): torch.zeros((), dtype=torch.float64) for m in modules.values()}
@@ -305,6 +305,10 @@ def save_grams(path: str | Path, grams: dict[str, torch.Tensor], owner: dict[str
     tmp.replace(path)
 
 
+def _unreadable(path: str | Path, err: Exception) -> UsageError:
+    return UsageError(f"calibration file {path} is unreadable: {err}", "delete it and run `wscompress calibrate` again")
+
+
 def _read_meta(path: str | Path, expect: dict) -> dict:
     """The file's metadata, refusing statistics computed for another model or calibration set."""
     from safetensors import safe_open
@@ -313,7 +317,7 @@ def _read_meta(path: str | Path, expect: dict) -> dict:
         with safe_open(str(path), "pt") as f:
             meta = json.loads((f.metadata() or {}).get("wscompress", "{}"))
     except (OSError, SafetensorError, json.JSONDecodeError) as err:
-        raise UsageError(f"calibration file {path} is unreadable: {err}", "delete it and run `wscompress calibrate` again") from None
+        raise _unreadable(path, err) from None
     for key, want in expect.items():
         if meta.get(key) != want:
             raise UsageError(f"calibration file {path} was made with {key}={meta.get(key)!r}, this run has {want!r}",
@@ -327,7 +331,7 @@ def load_grams(path: str | Path, expect: dict) -> tuple[dict[str, torch.Tensor],
     try:
         tensors = load_file(str(path))
     except (OSError, SafetensorError) as err:
-        raise UsageError(f"calibration file {path} is unreadable: {err}", "delete it and run `wscompress calibrate` again") from None
+        raise _unreadable(path, err) from None
     grams = {k.removeprefix("gram."): v for k, v in tensors.items() if k.startswith("gram.")}
     return grams, meta.get("owner", {})
 

@@ -20,11 +20,12 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from . import ui
 from .arch import discover
+from .calibrate import LayerInputs, run_layer
 from .calibrate import layerwise as layer_by_layer
-from .calibrate import run_layer
 from .errors import UsageError
 from .model import load_model, model_device
 from .recipe import DistillConfig, ModelConfig
@@ -121,15 +122,7 @@ def layerwise(student: nn.Module, teacher: nn.Module, batches: list[torch.Tensor
     return rows
 
 
-def _moved(inputs, device: torch.device):
+def _moved(inputs: LayerInputs, device: torch.device) -> LayerInputs:
     """The layer inputs on ``device`` (the teacher may run on the CPU)."""
-    from .calibrate import LayerInputs
-
-    def move(v):
-        if isinstance(v, torch.Tensor):
-            return v.to(device)
-        if isinstance(v, tuple):
-            return tuple(move(a) for a in v)
-        return v
-    return LayerInputs([h.to(device) for h in inputs.hidden],
-                       [(tuple(move(a) for a in args), {k: move(v) for k, v in kw.items()}) for args, kw in inputs.calls])
+    to = lambda v: v.to(device) if isinstance(v, torch.Tensor) else v  # noqa: E731
+    return LayerInputs(tree_map(to, inputs.hidden), tree_map(to, inputs.calls))
