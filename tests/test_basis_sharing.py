@@ -130,9 +130,9 @@ def test_each_layer_gets_least_squares_coefficients_for_its_own_inputs(tokenizer
     model = tiny_model("llama")
     batches = data.calibration_batches(tokenizer, CALIB["dataset"], 8, 64, 4, seed=0)
     names = [f"model.layers.{i}.mlp.up_proj" for i in (0, 1)]
-    grams, owner = collect_grams(model, batches, names)
+    stats = collect_grams(model, batches, names)
     ws = [model.get_submodule(n).weight.detach().double() for n in names]
-    gs = [grams[owner[n]] for n in names]
+    gs = [stats.of(n) for n in names]
     compress(model, tokenizer, group_size=2, ratio=0.5)
     group_coeff, _, _ = low_rank(torch.cat(ws), layer(model, 0).mlp.up_proj.rank, sum(map(relative, ws, gs)))
     for i, (w, g, svd_coeff) in enumerate(zip(ws, gs, group_coeff.split(ws[0].shape[0]))):

@@ -10,7 +10,8 @@ from wscompress import calibrate, data
 from wscompress.arch import discover, get_module
 from wscompress.errors import UsageError
 from wscompress.recipe import load_recipe
-from wscompress.workflow import Context, stats_path, step_calibrate
+from wscompress.stats import Stats, fingerprint
+from wscompress.workflow import Context, stats_dir, step_calibrate
 
 
 def batches(n: int = 3, seq_len: int = 16, seed: int = 0) -> list[torch.Tensor]:
@@ -27,7 +28,7 @@ def all_projections(model) -> list[str]:
 def test_grams_equal_direct_computation(kind):
     model = tiny_model(kind)
     names = all_projections(model)
-    grams, owner = calibrate.collect_grams(model, batches(), names)
+    stats = calibrate.collect_grams(model, batches(), names)
     # the reference: inputs of every linear captured during ordinary whole-model forwards
     seen: dict[str, list[torch.Tensor]] = {n: [] for n in names}
     handles = [get_module(model, n).register_forward_hook(lambda m, a, o, n=n: seen[n].append(a[0].detach()))
@@ -39,17 +40,17 @@ def test_grams_equal_direct_computation(kind):
         h.remove()
     for name in names:
         x = torch.cat([t.reshape(-1, t.shape[-1]) for t in seen[name]]).double()
-        torch.testing.assert_close(grams[owner[name]], x.T @ x, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(stats.of(name), x.T @ x, rtol=1e-4, atol=1e-6)
 
 
 def test_modules_fed_the_same_input_share_one_gram():
     model = tiny_model("llama")
     names = all_projections(model)
-    grams, owner = calibrate.collect_grams(model, batches(), names)
-    p = discover(model).projections(1)
+    stats = calibrate.collect_grams(model, batches(), names)
+    owner, p = stats.owner, discover(model).projections(1)
     assert owner[p["q"]] == owner[p["k"]] == owner[p["v"]] != owner[p["o"]]
     assert owner[p["gate"]] == owner[p["up"]] != owner[p["down"]]
-    assert len(grams) == 4 * discover(model).num_layers  # attn in, o in, mlp in, down in
+    assert len(stats) == 4 * discover(model).num_layers  # attn in, o in, mlp in, down in
 
 
 def test_layers_run_one_after_another():
@@ -73,32 +74,54 @@ def test_outside_layers_is_a_usage_error():
         calibrate.collect_grams(model, batches(), ["lm_head"])
 
 
-def test_saved_statistics_roundtrip_and_mismatch(tmp_path):
+def test_statistics_stream_to_one_file_per_layer_and_are_checked(tmp_path, monkeypatch):
+    """Each layer's Gram matrices go to their own file as soon as the layer has run, before the
+    next layer runs (memory holds one layer's); reading back gives the same matrices; a folder
+    made for another model or calibration set is refused, a damaged one reported."""
     model = tiny_model("llama")
+    arch = discover(model)
     names = all_projections(model)
-    grams, owner = calibrate.collect_grams(model, batches(), names)
-    meta = {"model": calibrate.fingerprint(model), "dataset": "a.txt"}
-    path = tmp_path / "calibration.safetensors"
-    calibrate.save_grams(path, grams, owner, meta)
-    loaded, loaded_owner = calibrate.load_grams(path, meta)
-    assert loaded_owner == owner and all(torch.equal(loaded[k], grams[k]) for k in grams)
+    meta = {"model": fingerprint(model), "dataset": "a.txt"}
+    events: list[tuple[str, int]] = []
+    for i, layer in enumerate(arch.layers):
+        layer.register_forward_pre_hook(lambda m, a, i=i: events.append(("run", i)) if events[-1:] != [("run", i)] else None)
+    write = calibrate.StatsWriter.layer
+    monkeypatch.setattr(calibrate.StatsWriter, "layer", lambda self, i, *a: (events.append(("write", i)), write(self, i, *a)))
+    stats = calibrate.collect_grams(model, batches(), names, tmp_path / "stats", meta)
+    assert events == [(what, i) for i in range(arch.num_layers) for what in ("run", "write")]
+    assert sorted(f.name for f in (tmp_path / "stats").glob("layer-*.safetensors")) == \
+        [f"layer-{i:04d}.safetensors" for i in range(arch.num_layers)]
+    loaded = Stats(tmp_path / "stats", meta)
+    assert loaded.owner == stats.owner and all(torch.equal(loaded[k], stats[k]) for k in stats)
     other = tiny_model("llama", seed=1)
     with pytest.raises(UsageError, match="model="):
-        calibrate.load_grams(path, {**meta, "model": calibrate.fingerprint(other)})
+        Stats(tmp_path / "stats", {**meta, "model": fingerprint(other)})
     with pytest.raises(UsageError, match="dataset="):
-        calibrate.load_grams(path, {**meta, "dataset": "b.txt"})
-    path.write_bytes(b"garbage")
+        Stats(tmp_path / "stats", {**meta, "dataset": "b.txt"})
+    next((tmp_path / "stats").glob("layer-*.safetensors")).write_bytes(b"garbage")
     with pytest.raises(UsageError, match="unreadable"):
-        calibrate.load_grams(path, meta)
+        [loaded[k] for k in loaded]
+
+
+def test_scratch_statistics_are_deleted_with_their_object():
+    import gc
+
+    model = tiny_model("llama")
+    stats = calibrate.collect_grams(model, batches(), all_projections(model))
+    folder = stats.folder
+    assert folder.is_dir()
+    del stats
+    gc.collect()
+    assert not folder.exists()
 
 
 def test_fingerprint_of_a_compressed_model():
     import wscompress
 
     model = tiny_model("llama")
-    before = calibrate.fingerprint(model)
+    before = fingerprint(model)
     wscompress.compress(model, [{"method": "svd", "whitening": False, "ratio": 0.5}])
-    assert calibrate.fingerprint(model) != before
+    assert fingerprint(model) != before
 
 
 def test_step_calibrate_file_is_reused_and_checked(tmp_path, tiny_dir, monkeypatch):
@@ -106,19 +129,19 @@ def test_step_calibrate_file_is_reused_and_checked(tmp_path, tiny_dir, monkeypat
                                "calibration": {"dataset": "pydoc", "num_samples": 4, "seq_len": 32, "batch_size": 2},
                                "output": {"dir": str(tmp_path / "run")}})
     out = step_calibrate(recipe)
-    assert stats_path(recipe).is_file() and out["modules"] == 7 * 4
+    assert (stats_dir(recipe) / "stats.json").is_file() and out["modules"] == 7 * 4
     from wscompress.model import load_model
 
     model, tok = load_model(recipe.model)
     names = all_projections(model)
-    direct, direct_owner = calibrate.collect_grams(model, Context(recipe, tok).calibration(), names)
+    direct = calibrate.collect_grams(model, Context(recipe, tok).calibration(), names)
     monkeypatch.setattr(calibrate, "collect_grams", lambda *a, **k: pytest.fail("statistics were recomputed"))
-    grams, owner = Context(recipe, tok).grams(model, names)
-    assert owner == direct_owner and all(torch.allclose(grams[k], direct[k]) for k in direct)
+    stats = Context(recipe, tok).stats(model, names)
+    assert stats.owner == direct.owner and all(torch.allclose(stats[k], direct[k]) for k in direct)
     # the same output folder with another calibration set: reported, not silently reused
     other = recipe.model_copy(update={"calibration": recipe.calibration.model_copy(update={"seed": 1})})
     with pytest.raises(UsageError, match="seed="):
-        Context(other, tok).grams(model, names)
+        Context(other, tok).stats(model, names)
 
 
 def test_calibration_batches_are_deterministic(tokenizer):

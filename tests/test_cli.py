@@ -78,13 +78,13 @@ def test_calibrate_writes_statistics(tmp_path, tiny_dir):
     path = recipe(tmp_path, tiny_dir("llama"), calibration={"dataset": "pydoc", "num_samples": 4, "seq_len": 32})
     result = runner.invoke(app, ["calibrate", str(path), "-q"])
     assert result.exit_code == 0, result.output
-    assert (tmp_path / "out" / "calibration.safetensors").is_file()
+    assert (tmp_path / "out" / "calibration" / "stats.json").is_file()
     report = json.loads((tmp_path / "out" / "reports" / "calibrate.json").read_text())
     assert report["modules"] == 4 * 7 and report["gram_matrices"] == 4 * 4  # q/k/v and gate/up share inputs
 
 
 def test_saved_statistics_feed_a_multi_stage_compress(tmp_path, tiny_dir):
-    """Stage 0 reuses calibration.safetensors; stage 1 sees a changed model and recomputes."""
+    """Stage 0 reuses the saved statistics; stage 1 sees a changed model and recomputes."""
     path = recipe(tmp_path, tiny_dir("llama"), calibration={"dataset": "pydoc", "num_samples": 4, "seq_len": 32},
                   compress=[{"method": "svd", "ratio": 0.3, "targets": ["mlp"]},
                             {"method": "svd", "ratio": 0.3, "targets": ["self_attn"]}])

@@ -28,8 +28,8 @@ class Calibration:
     def calibration(self):
         return self.batches
 
-    def grams(self, model, names):
-        return calibrate.collect_grams(model, self.batches, names)
+    def stats(self, model, names, sensitivity_samples=0):
+        return calibrate.collect_grams(model, self.batches, names, sensitivity_samples=sensitivity_samples)
 
 
 def soft_share(model, tokenizer, **options) -> dict:

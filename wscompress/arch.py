@@ -125,6 +125,11 @@ class Arch:
     def layer_name(self, i: int) -> str:
         return f"{self.layers_path}.{i}"
 
+    def layer_of(self, name: str) -> int | None:
+        """Index of the decoder layer a module name lies in (None: outside the layers)."""
+        head, dot, rest = name.partition(self.layers_path + ".")
+        return int(rest.split(".")[0]) if dot and not head else None
+
     def projections(self, i: int) -> dict[str, str]:
         """role -> full module name of layer i's linear projections."""
         out = {}

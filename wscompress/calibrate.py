@@ -4,28 +4,35 @@ The inputs of decoder layer 0, and the other arguments the model passes each lay
 rotary embeddings: they may differ by layer), are captured once with every layer replaced by a
 recorder; then each layer runs alone on the cached hidden states, hooks observe what they need
 (Gram matrices, activations), and the layer's outputs become the next layer's inputs.
-Peak memory is one layer plus the calibration activations, never the whole model's.
+Each layer is brought to the execution device only while it runs (see ``offload``), and its
+statistics go to disk before the next one starts (see ``stats``), so peak memory is one layer,
+its statistics and the calibration activations, never the whole model's.
+
+Under ``torchrun`` (several processes with ``torch.distributed`` initialised) every rank runs
+its share of the calibration batches and the statistics are summed over ranks with
+``all_reduce`` before they are written: the same numbers as one process, computed in parallel.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from transformers.cache_utils import Cache
 
 from . import linalg, ui
-from .arch import Arch, discover, first_names, get_module, is_linear, weight_of
+from .arch import Arch, discover, get_module
 from .errors import UsageError
 from .model import model_device
+from .offload import offload_of
+from .distributed import reduced, world
+from .stats import Stats, StatsWriter, scratch_folder
 
 
 class _Stop(Exception):
@@ -143,18 +150,20 @@ def run_layer(layer: nn.Module, inputs: LayerInputs) -> list[torch.Tensor]:
 
 def layerwise(model: nn.Module, batches: list[torch.Tensor], arch: Arch | None = None,
               label: str = "calibration layers") -> Iterator[tuple[int, nn.Module, LayerInputs]]:
-    """Yield (index, layer, its inputs) for each decoder layer in order.
+    """Yield (index, layer, its inputs) for each decoder layer in order, the layer onloaded.
 
     The caller may observe the layer (hooks) or even replace its weights while it holds it;
     after the caller's step the layer runs on the inputs to produce the next layer's inputs,
     so a layer compressed in the loop feeds the compressed activations forward.
     """
     arch = arch or discover(model)
+    offload = offload_of(model)
     hidden, calls = capture_inputs(model, arch, batches)
     for i in ui.track(range(arch.num_layers), label):
-        layer, inputs = arch.layers[i], LayerInputs(hidden, calls[i])
-        yield i, layer, inputs
-        hidden = run_layer(layer, inputs)
+        with offload.onload([i]):
+            layer, inputs = arch.layers[i], LayerInputs(hidden, calls[i])
+            yield i, layer, inputs
+            hidden = run_layer(layer, inputs)
         calls[i] = []  # layer i's arguments are done with
 
 
@@ -191,156 +200,122 @@ class GramHook:
 
 
 @torch.no_grad()
-def collect_grams(model: nn.Module, batches: list[torch.Tensor], names: list[str]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Gram matrices of the inputs of the named linear modules, layer by layer.
+def collect_grams(model: nn.Module, batches: list[torch.Tensor], names: list[str], folder: str | Path | None = None,
+                  meta: dict | None = None, sensitivity_samples: int = 0, scratch: bool | None = None) -> Stats:
+    """Gram matrices of the inputs of the named linear modules (and, with
+    ``sensitivity_samples``, their output sensitivities), layer by layer, written to ``folder``
+    one layer at a time (default: a scratch folder). With ``scratch`` (default: no folder given)
+    the folder is deleted with the returned ``Stats``.
 
     The hooks observe the pass that ``layerwise`` makes anyway to feed the next layer, so
-    every layer runs once per batch. Returns (canonical name -> Gram (float64, on CPU),
-    module name -> canonical name).
+    every layer runs once per batch. Under torchrun each rank runs ``batches[rank::world]``.
     """
     arch = discover(model)
-    grams: dict[str, torch.Tensor] = {}
-    owner: dict[str, str] = {}
+    rank, size = world()
+    meta = {**(meta or {}), **({"sensitivity_samples": sensitivity_samples} if sensitivity_samples else {})}
+    writer = StatsWriter(folder or scratch_folder(), meta)
     hook: GramHook | None = None
+    done: set[str] = set()
 
-    def harvest() -> None:
+    def harvest(i: int) -> None:
         hook.close()
-        grams.update({k: v.cpu() for k, v in hook.grams.items()})
-        owner.update(hook.owner)
+        grams = {k: reduced(v) for k, v in sorted(hook.grams.items())}  # the same order on every rank
+        if rank == 0:
+            writer.layer(i, grams, hook.owner)
+        done.update(hook.owner)
 
     try:
-        for i, _layer, _inputs in layerwise(model, batches, arch, label="calibration (Gram)"):
+        for i, _layer, _inputs in layerwise(model, batches[rank::size], arch, label="calibration (Gram)"):
             if hook is not None:
-                harvest()  # layer i - 1 has run on every batch
+                harvest(i - 1)  # layer i - 1 has run on every batch
             prefix = arch.layer_name(i) + "."
             mine = {n: get_module(model, n) for n in names if n.startswith(prefix)}
             hook = GramHook(mine) if mine else None
         if hook is not None:
-            harvest()
+            harvest(arch.num_layers - 1)
     finally:
         if hook is not None:
             hook.close()
-    outside = [n for n in names if n not in owner]
+    outside = [n for n in names if n not in done]
     if outside:
         raise UsageError(f"calibration covers decoder-layer linears only; {outside[0]} is outside the layers",
                          "drop it from the stage's targets")
-    return grams, owner
-
-
-def shared_grams(model: nn.Module, names: list[str], grams: dict[str, torch.Tensor], owner: dict[str, str]) -> dict[str, torch.Tensor]:
-    """First name -> the Gram matrix of every use of that module: the sum over all the names
-    that reach it (a module an earlier stage, e.g. cross_layer, shares between layers is fed
-    by each of them)."""
-    out: dict[str, torch.Tensor] = {}
-    seen: set[tuple[str, str]] = set()
-    for name, first in first_names(model, names).items():
-        if (first, owner[name]) not in seen:  # q/k/v of one layer read one Gram: count it once
-            seen.add((first, owner[name]))
-            out[first] = out[first] + grams[owner[name]] if first in out else grams[owner[name]]
-    return out
+    sensitivity = output_sensitivity(model, names, batches, sensitivity_samples) if sensitivity_samples else {}
+    if rank == 0:
+        writer.finish(sensitivity)
+    if size > 1:
+        dist.barrier()  # the folder is complete for every rank
+    return Stats(writer.folder, scratch=folder is None if scratch is None else scratch)
 
 
 def output_sensitivity(model: nn.Module, names: list[str], batches: list[torch.Tensor], samples: int) -> dict[str, float]:
     """Fisher-style sensitivity of each named linear: the mean over calibration tokens and output
-    channels of (∂L/∂y)², L a sequence's mean next-token loss and y the module's output, from
-    ``samples`` calibration sequences. An error δ in that output raises the loss by about
+    channels of (∂L/∂y)², L a sequence's mean next-token loss and y the module's output, from the
+    first ``samples`` calibration sequences. An error δ in that output raises the loss by about
     ½·sensitivity·‖δ‖², so it converts a module's output error into model loss.
 
-    Needs one forward and backward of the whole model per sequence (the weights get no
-    gradients); a module used by several layers sums over its uses.
+    Computed layer by layer like the statistics, so memory holds one layer, not the model: a
+    forward pass keeps every layer's inputs for a batch of sequences, the loss's gradient is
+    taken at the last layer's output (one sequence at a time through the head), and the
+    backward walks the layers in reverse, recomputing one layer at a time and passing the
+    gradient at its input on. The weights get no gradients; a module used by several layers
+    sums over its uses. Under torchrun each rank takes its share of the sequences.
     """
+    arch = discover(model)
+    offload = offload_of(model)
     modules = {n: get_module(model, n) for n in names}
     sums = {id(m): torch.zeros((), dtype=torch.float64) for m in modules.values()}
-    stack = ExitStack()
+    rank, size = world()
+    rows = torch.cat(batches)[:samples]
+    tokens = rows.numel()
 
     def observe(module, _args, out):
-        def grad_hook(g):
-            sums[id(module)] += g.detach().double().pow(2).sum().cpu() / g.shape[-1]
-        out.register_hook(grad_hook)
+        def square(g: torch.Tensor) -> None:
+            sums[id(module)].add_(g.detach().double().pow(2).sum().cpu() / g.shape[-1])
 
-    for m in {id(m): m for m in modules.values()}.values():
-        stack.callback(m.register_forward_hook(observe).remove)
-    emb = model.get_input_embeddings()  # a graph without weight gradients: start it at the embeddings
-    stack.callback(emb.register_forward_hook(lambda _m, _a, out: out.detach().requires_grad_()).remove)
-    grad_state = {p: p.requires_grad for p in model.parameters()}
-    device = model_device(model)
-    tokens = 0
+        if out.requires_grad:  # only in the backward sweep's recomputation
+            out.register_hook(square)
+
+    with ExitStack() as stack:
+        for m in {id(m): m for m in modules.values()}.values():
+            stack.callback(m.register_forward_hook(observe).remove)
+        stack.enter_context(frozen(model))  # a graph without weight gradients
+        for chunk in ui.track(rows[rank::size].split(batches[0].shape[0]), "output sensitivity"):
+            hidden, calls = capture_inputs(model, arch, [chunk])
+            inputs = []
+            with torch.no_grad():
+                for i in range(arch.num_layers):
+                    inputs.append(LayerInputs(hidden, calls[i]))
+                    with offload.onload([i]):
+                        hidden = run_layer(arch.layers[i], inputs[-1])
+            grad = torch.cat([_head_gradient(model, arch, ids, h) for ids, h in zip(chunk.split(1), hidden[0].split(1))])
+            for i in reversed(range(arch.num_layers)):
+                with offload.onload([i]), torch.enable_grad():
+                    x = inputs[i].hidden[0].detach().requires_grad_()
+                    args, kwargs = inputs[i].calls[0]
+                    out = arch.layers[i](x, *args, **kwargs)
+                    (grad,) = torch.autograd.grad(out[0] if isinstance(out, tuple) else out, x, grad)
+                inputs[i] = None  # done with
+    return {n: reduced(sums[id(m)]).item() / tokens for n, m in modules.items()}
+
+
+def _head_gradient(model: nn.Module, arch: Arch, ids: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """∂L/∂(last decoder layer's output) for one sequence, L its mean next-token loss: the model
+    runs from the cached output ``last`` on (final norm, LM head) with no weight gradients."""
+    last = last.detach().requires_grad_()
+    with torch.enable_grad(), start_at(arch, arch.num_layers, [last]):
+        logits = model(input_ids=ids.to(last.device), use_cache=False).logits[0, :-1].float()
+        return torch.autograd.grad(F.cross_entropy(logits, ids[0, 1:].to(logits.device)), last)[0]
+
+
+@contextmanager
+def frozen(model: nn.Module) -> Iterator[None]:
+    """No parameter requires a gradient inside the block (each gets its setting back after)."""
+    state = {p: p.requires_grad for p in model.parameters()}
     try:
-        for p in grad_state:
+        for p in state:
             p.requires_grad_(False)
-        rows = torch.cat(batches)[:samples]
-        for ids in rows.to(device).split(1):  # one sequence at a time: the backward holds every activation
-            logits = model(input_ids=ids, use_cache=False).logits[0, :-1].float()
-            torch.nn.functional.cross_entropy(logits, ids[0, 1:]).backward()
-            tokens += ids.numel()
+        yield
     finally:
-        stack.close()
-        for p, state in grad_state.items():
-            p.requires_grad_(state)
-    return {n: (sums[id(m)] / tokens).item() for n, m in modules.items()}
-
-
-def fingerprint(model: nn.Module) -> str:
-    """Identifies a model's weights: config plus a checksum of a few tensors."""
-    h = hashlib.sha256(json.dumps(model.config.to_diff_dict(), sort_keys=True, default=str).encode())
-    arch = discover(model)
-    for name in list(arch.projections(0).values())[:2] + [arch.embedding_name]:
-        module = get_module(model, name)
-        w = (weight_of(module) if is_linear(module) else module.weight).detach().double()  # compressed layers too
-        # float64 sums: the same digits whatever the thread count's reduction order
-        h.update(f"{w.sum().item():.6e}:{w.abs().sum().item():.6e}".encode())
-    return h.hexdigest()[:16]
-
-
-def save_grams(path: str | Path, grams: dict[str, torch.Tensor], owner: dict[str, str], meta: dict,
-               sensitivity: dict[str, float] | None = None) -> None:
-    """Write the Gram matrices (and, when given, the output sensitivities) with ``meta``
-    identifying the model and calibration data they were computed on."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tensors = {f"gram.{k}": v.contiguous() for k, v in grams.items()}
-    tensors.update({f"sensitivity.{k}": torch.tensor(v, dtype=torch.float64) for k, v in (sensitivity or {}).items()})
-    save_file(tensors, tmp, metadata={"wscompress": json.dumps({**meta, "owner": owner})})
-    tmp.replace(path)
-
-
-def _unreadable(path: str | Path, err: Exception) -> UsageError:
-    return UsageError(f"calibration file {path} is unreadable: {err}", "delete it and run `wscompress calibrate` again")
-
-
-def _read_meta(path: str | Path, expect: dict) -> dict:
-    """The file's metadata, refusing statistics computed for another model or calibration set."""
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(path), "pt") as f:
-            meta = json.loads((f.metadata() or {}).get("wscompress", "{}"))
-    except (OSError, SafetensorError, json.JSONDecodeError) as err:
-        raise _unreadable(path, err) from None
-    for key, want in expect.items():
-        if meta.get(key) != want:
-            raise UsageError(f"calibration file {path} was made with {key}={meta.get(key)!r}, this run has {want!r}",
-                             "run `wscompress calibrate` for this model and calibration set, or remove the file")
-    return meta
-
-
-def load_grams(path: str | Path, expect: dict) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Load saved Gram matrices, refusing ones computed for another model or calibration set."""
-    meta = _read_meta(path, expect)
-    try:
-        tensors = load_file(str(path))
-    except (OSError, SafetensorError) as err:
-        raise _unreadable(path, err) from None
-    grams = {k.removeprefix("gram."): v for k, v in tensors.items() if k.startswith("gram.")}
-    return grams, meta.get("owner", {})
-
-
-def load_sensitivity(path: str | Path, expect: dict) -> dict[str, float]:
-    """Saved output sensitivities (empty when the file has none), refusing a mismatched file;
-    ``expect`` includes the number of sequences they were computed on."""
-    from safetensors import safe_open
-
-    _read_meta(path, expect)
-    with safe_open(str(path), "pt") as f:
-        return {k.removeprefix("sensitivity."): f.get_tensor(k).item() for k in f.keys() if k.startswith("sensitivity.")}
+        for p, wanted in state.items():
+            p.requires_grad_(wanted)

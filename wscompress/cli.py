@@ -28,10 +28,19 @@ def _recipe(path: Path, overrides: Optional[List[str]], output: Optional[Path]):
     return load_recipe(path, sets)
 
 
-def _do(quiet: bool, fn: Callable[[], object]) -> None:
-    """Run a step; user errors print one clear message and exit with code 2."""
-    ui.set_quiet(quiet)
+def _do(quiet: bool, fn: Callable[[], object], processes: bool = False) -> None:
+    """Run a step; user errors print one clear message and exit with code 2. With
+    ``processes`` the step may run in several processes (torchrun / accelerate launch)."""
+    from . import distributed
+
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if distributed.launched() and not processes:
+        typer.echo("error: this command runs in one process; calibrate, finetune and eval run in several "
+                   "(torchrun / accelerate launch)\nfix: start it without the launcher", err=True)
+        raise typer.Exit(2)
+    distributed.init()
+    quiet = quiet or not distributed.is_main()  # one process reports progress
+    ui.set_quiet(quiet)
     if quiet:
         from transformers.utils import logging as hf_logging
 
@@ -49,7 +58,7 @@ def calibrate(recipe: Path = RecipeArg, set: Optional[List[str]] = SetOpt, outpu
     """Collect input statistics (Gram matrices, layer by layer) into <output>/calibration.safetensors."""
     from .workflow import step_calibrate
 
-    _do(quiet, lambda: step_calibrate(_recipe(recipe, set, output)))
+    _do(quiet, lambda: step_calibrate(_recipe(recipe, set, output)), processes=True)
 
 
 @app.command()
@@ -67,7 +76,7 @@ def finetune(recipe: Path = RecipeArg, set: Optional[List[str]] = SetOpt, output
     """Recovery fine-tuning of <output>/model (or the recipe's model) per the finetune section."""
     from .workflow import step_finetune
 
-    _do(quiet, lambda: step_finetune(_recipe(recipe, set, output), resume=resume))
+    _do(quiet, lambda: step_finetune(_recipe(recipe, set, output), resume=resume), processes=True)
 
 
 @app.command("eval")
@@ -77,7 +86,7 @@ def eval_(recipe: Path = RecipeArg, set: Optional[List[str]] = SetOpt, output: O
     """Perplexity (and lm-eval tasks, samples) of the model, next to the original checkpoint."""
     from .workflow import step_eval
 
-    _do(quiet, lambda: step_eval(_recipe(recipe, set, output), model))
+    _do(quiet, lambda: step_eval(_recipe(recipe, set, output), model), processes=True)
 
 
 @app.command()

@@ -18,6 +18,7 @@ are held at a time.
 from __future__ import annotations
 
 from contextlib import ExitStack
+from typing import Callable
 
 import torch
 from torch import nn
@@ -25,6 +26,7 @@ from torch import nn
 from .arch import Arch, get_module, replace_everywhere, weight_of
 from .calibrate import layerwise, run_layer
 from .linalg import gram, refit_coefficients
+from .offload import offload_of
 
 
 class FirstInput:
@@ -65,17 +67,21 @@ class FirstInput:
 
 
 @torch.no_grad()
-def swap_and_refit(model: nn.Module, arch: Arch, new: dict[str, nn.Module], batches: list[torch.Tensor],
-                   ridge: float) -> None:
-    """Swap the low-rank replacements ``new`` (module name -> module with ``basis``/``coeff``)
-    into ``model`` layer by layer, refitting each one's coefficients (see the module docstring).
-    A module that several layers share is fitted where it is first used."""
+def refit_pass(model: nn.Module, arch: Arch, batches: list[torch.Tensor], build: Callable[[int], dict[str, nn.Module]],
+               ridge: float) -> None:
+    """Compress the model layer by layer, refitting as it goes (see the module docstring):
+    ``build(i)``, called with layer i onloaded, returns its low-rank replacements (module name
+    -> module with ``basis``/``coeff``, built from the original weights); they are swapped in
+    and their coefficients refit on the inputs the compressed layers before produce. A module
+    that several layers share is fitted where it is first used."""
+    offload = offload_of(model)
     for i, layer, inputs in layerwise(model, batches, arch, label="refit (error compensation)"):
-        mine = [n for n in new if n.startswith(arch.layer_name(i) + ".")]
-        weights = {n: weight_of(get_module(model, n)).detach() for n in mine}
-        for n in mine:
-            replace_everywhere(model, get_module(model, n), new[n])
-        pending = {n: new[n] for n in mine}
+        new = build(i)
+        weights = {n: weight_of(get_module(model, n)).detach() for n in new}
+        for n, module in new.items():
+            replace_everywhere(model, get_module(model, n), module)
+        offload.refresh([i])  # a basis shared with an earlier layer of its group may rest elsewhere
+        pending = dict(new)
         while pending:
             first = FirstInput(layer, pending)
             try:

@@ -26,12 +26,13 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from . import data, ui
+from . import data, distributed, ui
 from .arch import match_modules
 from .errors import UsageError
 from .evaluate.perplexity import evaluate_text
 from .model import model_device
 from .modules import CompressedLinear
+from .offload import offload_of
 from .recipe import FinetuneConfig, Recipe
 
 CKPT = "finetune-checkpoint"
@@ -191,6 +192,10 @@ def finetune(model: nn.Module, tokenizer, recipe: Recipe, resume: bool = False,
     model, loaded here; see ``distill``).
     """
     cfg = recipe.finetune
+    if offload_of(model).moves:
+        raise UsageError(f"finetune trains the whole model at once; model.offload: {offload_of(model).mode} keeps its layers "
+                         "elsewhere", "set model.offload: none (a model too large for one device: accelerate launch "
+                         "with an FSDP config, see README)")
     torch.manual_seed(cfg.seed)
     device = model_device(model)
     if cfg.distill is not None:
@@ -205,6 +210,15 @@ def finetune(model: nn.Module, tokenizer, recipe: Recipe, resume: bool = False,
         def compute(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
             return m(input_ids=x, labels=x, use_cache=False).loss
     model, params, state, finalize = prepare(model, cfg)
+    rank, size = distributed.world()
+    if cfg.batch_size % size:
+        raise UsageError(f"finetune.batch_size {cfg.batch_size} does not split over {size} processes",
+                         f"use a batch size divisible by {size} (it is the global batch: each process takes its share)")
+    trained = model
+    if size > 1:  # DDP (or FSDP, from the launch's accelerate config): gradients averaged over the processes
+        from accelerate import Accelerator
+
+        trained = Accelerator(cpu=device.type == "cpu").prepare_model(model)
     if cfg.penalty > 0:
         extra_loss = with_penalty(model, cfg.penalty, extra_loss)
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -249,9 +263,9 @@ def finetune(model: nn.Module, tokenizer, recipe: Recipe, resume: bool = False,
         for micro in range(cfg.grad_accum):
             (x,) = data.sample_batches(train_ids, cfg.batch_size, cfg.seq_len, cfg.batch_size,
                                        seed=cfg.seed * 1_000_003 + step * cfg.grad_accum + micro, bos_id=bos_id)
-            x = x.to(device)
+            x = x[rank::size].to(device)  # this process's share of the global batch
             with autocast:
-                loss = compute(model, x)
+                loss = compute(trained, x)
                 if extra_loss is not None:
                     loss = loss + extra_loss(model)
             scaler.scale(loss / cfg.grad_accum).backward()
@@ -269,7 +283,9 @@ def finetune(model: nn.Module, tokenizer, recipe: Recipe, resume: bool = False,
         history.append(entry)
         interrupted = stop_after is not None and step + 1 >= stop_after
         if (cfg.save_every and (step + 1) % cfg.save_every == 0) or interrupted:
-            _save_checkpoint(ckpt, step + 1, [*params, *state], opt, sched, history, cfg)
+            if distributed.is_main():
+                _save_checkpoint(ckpt, step + 1, [*params, *state], opt, sched, history, cfg)
+            distributed.barrier()
         if interrupted:
             return model, {"interrupted_at": step + 1, "checkpoint": str(ckpt), "history": history}
     final_ppl = evaluate()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 import torch
+from scipy.linalg.blas import dsyrk
 
 from .errors import UsageError
 
@@ -26,27 +27,15 @@ def rank_for_ratio(d_in: int, d_out: int, ratio: float, n: int = 1) -> int:
     return k
 
 
-def gram(x: torch.Tensor, blocks: int = 4) -> torch.Tensor:
-    """XᵀX (float64) of x (tokens, d). For wide x only the column blocks on and above the
-    diagonal are multiplied and the rest mirrored: (blocks + 1) / (2·blocks) of the work of
-    the full product (the BLAS has no symmetric rank-k update in torch)."""
+def gram(x: torch.Tensor) -> torch.Tensor:
+    """XᵀX (float64) of x (tokens, d). On the CPU the BLAS's symmetric rank-k update computes
+    one triangle (half the work of the full product, which torch has no call for) and it is
+    mirrored; on other devices, the full product."""
     x = x.double()
-    d = x.shape[1]
-    if d < 256 * blocks:
+    if x.device.type != "cpu":
         return x.T @ x
-    edges = [round(i * d / blocks) for i in range(blocks + 1)]
-    out = x.new_empty(d, d)
-    for i in range(blocks):
-        a, b = edges[i], edges[i + 1]
-        for j in range(i, blocks):
-            c, e = edges[j], edges[j + 1]
-            block = x[:, a:b].T @ x[:, c:e]
-            if j == i:  # the BLAS need not return a diagonal block exactly symmetric: mirror its upper half
-                block = block.triu() + block.triu(1).T
-            out[a:b, c:e] = block
-            if j != i:
-                out[c:e, a:b] = block.T
-    return out
+    upper = torch.from_numpy(dsyrk(1.0, x.detach().numpy().T))  # (xᵀ)(xᵀ)ᵀ; xᵀ is Fortran-ordered: no copy
+    return upper.triu() + upper.triu(1).T
 
 
 def whitening(gram: torch.Tensor) -> tuple[torch.Tensor, str]:

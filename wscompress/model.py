@@ -14,6 +14,7 @@ import torch
 from safetensors import SafetensorError
 from torch import nn
 
+from . import offload
 from .errors import UsageError
 from .recipe import ModelConfig
 
@@ -64,8 +65,11 @@ def builtin_dir(name: str) -> Path:
 
 
 def resolve_device(device: str) -> torch.device:
+    """The recipe's device; under a launcher, ``auto``/``cuda`` mean this process's own GPU."""
+    if device in ("auto", "cuda") and torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device("cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise UsageError(f"model.device is {device!r} but no CUDA device is available", "set model.device: auto or cpu")
     return torch.device(device)
@@ -137,11 +141,31 @@ def load_model(cfg: ModelConfig) -> tuple[nn.Module, object]:
     except (OSError, ValueError, RuntimeError, KeyError, SafetensorError) as err:
         raise UsageError(f"model.path: could not load {cfg.path}: {type(err).__name__}: {str(err).strip()[:400]}",
                          "check the path or hub id and that the checkpoint files are complete") from None
-    if cfg.device_map is None or storage.is_compressed(path):
-        model.to(device)  # device_map dispatch applies to stock checkpoints; compressed ones are rebuilt whole
+    if cfg.device_map is None or storage.is_compressed(path):  # device_map dispatch applies to stock checkpoints
+        files = checkpoint_files(path, cfg.revision) if cfg.offload == "disk" else []
+        if cfg.offload == "disk" and (gguf or not files):
+            raise UsageError(f"model.offload: disk needs safetensors files to read layers from; {cfg.path} has none",
+                             "convert the checkpoint to safetensors (save_pretrained) or use offload: cpu")
+        offload.prepare(model, cfg.offload, device, files, cfg.offload_folder or cache_dir() / "offload")
     model.eval()
     return model, tokenizer
 
 
+def checkpoint_files(path: str, revision: str | None = None) -> list[Path]:
+    """The safetensors weight files of a local folder or a hub id in the local cache (none when
+    the id is not cached)."""
+    folder = Path(path)
+    if not folder.is_dir():
+        from huggingface_hub import snapshot_download
+
+        try:
+            folder = Path(snapshot_download(path, revision=revision, local_files_only=True))
+        except (OSError, ValueError):  # not in the local cache, or not a valid hub id
+            return []
+    return sorted(folder.glob("*.safetensors"))
+
+
 def model_device(model: nn.Module) -> torch.device:
-    return next(model.parameters()).device
+    """The device the model computes on (with offloaded layers: where they are brought to)."""
+    offload = model.__dict__.get("wscompress_offload")
+    return offload.device if offload is not None else next(model.parameters()).device

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, model_validator
 
 from .errors import UsageError
 
@@ -33,7 +33,18 @@ class ModelConfig(Strict):
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "float32"
     device: str = Field("auto", description="auto (cuda when present, else cpu), cpu, cuda, cuda:N")
     device_map: str | None = Field(None, description="'auto' spreads a large model over GPUs and CPU")
+    offload: Literal["none", "cpu", "disk"] = Field("none", description="where decoder layers wait while unused: "
+                                                    "none (on the device), cpu (in RAM, moved to the device one group "
+                                                    "at a time) or disk (read from safetensors files when used)")
+    offload_folder: str | None = Field(None, description="disk offload: where changed layers are spilled "
+                                                         "(default: a temporary folder in the cache)")
     trust_remote_code: bool = False
+
+    @model_validator(mode="after")
+    def _one_placement(self):
+        if self.device_map is not None and self.offload != "none":
+            raise ValueError("give either device_map or offload, not both")
+        return self
 
 
 BOS_HELP = ("auto: a BOS opens every window/sample when the tokenizer adds one; window: always; "
@@ -129,6 +140,8 @@ class BenchConfig(Strict):
 
 class OutputConfig(Strict):
     dir: str = "outputs/run"
+    max_shard_size: ByteSize = Field(ByteSize(2**30), gt=0, description="largest weights file (e.g. 1GB, 500MB): the "
+                                     "model is written shard by shard, never held whole")
 
 
 class Recipe(Strict):

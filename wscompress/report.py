@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from . import __version__
+from .distributed import is_main
 
 
 def environment() -> dict:
@@ -61,8 +62,10 @@ def to_markdown(title: str, payload: dict) -> str:
 
 
 def write(out_dir: str | Path, name: str, payload: dict, recipe: dict | None = None) -> Path:
-    """Write reports/<name>.json and .md; returns the JSON path."""
+    """Write reports/<name>.json and .md (by the first process of a launch only); returns the JSON path."""
     reports = Path(out_dir) / "reports"
+    if not is_main():
+        return reports / f"{name}.json"
     reports.mkdir(parents=True, exist_ok=True)
     full = {**payload, "recipe": recipe, "environment": environment()}
     path = reports / f"{name}.json"

@@ -14,12 +14,14 @@ plain checkpoint that stock transformers loads.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import ctypes
 import json
 import os
 import shutil
 import tempfile
+import weakref
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -32,9 +34,11 @@ from torch import nn
 from .arch import get_module, set_module
 from .errors import UsageError
 from .modules import MODULE_TYPES
+from .offload import offload_of
 
 MANIFEST = "wscompress.json"
 WEIGHTS = "model.safetensors"
+SHARD_INDEX = "model.safetensors.index.json"
 FORMAT_VERSION = 1
 
 
@@ -56,19 +60,52 @@ def _module_aliases(model: nn.Module) -> dict[str, str]:
     return aliases
 
 
+def entries(model: nn.Module, load: bool = False) -> Iterator[tuple[str, torch.Tensor | str]]:
+    """Every state-dict entry once: (name, tensor) for the first name of each distinct tensor,
+    (alias name, canonical name) for the others (a module reached under several names, a tensor
+    tied to another). With ``load`` each decoder layer of an offloaded model is onloaded while
+    its entries are read, one at a time; without, offloaded tensors are shape-only placeholders."""
+    offload = offload_of(model)
+    arch = offload.arch if offload.moves else None
+    first_module: dict[int, str] = {}
+    first_tensor: dict[int, tuple[weakref.ref, str]] = {}  # weak: an offloaded layer's tensors must be freed
+    first_name: dict[str, str] = {}
+    current, holding = None, contextlib.nullcontext()
+    try:
+        for mname, module in model.named_modules(remove_duplicate=False):
+            layer = arch.layer_of(mname) if arch is not None and load else None
+            if layer != current:
+                holding.__exit__(None, None, None)
+                holding = offload.onload([] if layer is None else [layer])
+                holding.__enter__()
+                current = layer
+            own: dict[str, torch.Tensor] = {}
+            module._save_to_state_dict(own, f"{mname}." if mname else "", True)  # a layer's own storage rules apply
+            canonical = first_module.setdefault(id(module), mname)
+            for name, t in own.items():
+                leaf = name.rpartition(".")[2]
+                if canonical != mname:  # the same module under an earlier name
+                    first = f"{canonical}.{leaf}"
+                    yield name, first_name.get(first, first)
+                    continue
+                source = module._parameters.get(leaf, module._buffers.get(leaf, t))  # own holds stored forms
+                hit = first_tensor.get(id(source))
+                if hit is not None and hit[0]() is source:  # tied to a tensor met before
+                    first_name[name] = hit[1]
+                    yield name, hit[1]
+                else:
+                    first_tensor[id(source)] = (weakref.ref(source), name)
+                    yield name, t.detach()
+    finally:
+        holding.__exit__(None, None, None)
+
+
 def unique_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """(name -> tensor for each distinct tensor, alias name -> canonical name)."""
+    """(name -> tensor for each distinct tensor, alias name -> canonical name), see ``entries``."""
     tensors: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}
-    seen: dict[tuple, str] = {}
-    for name, t in model.state_dict(keep_vars=True).items():
-        t = t.detach()
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()))
-        if key in seen:
-            aliases[name] = seen[key]
-        else:
-            seen[key] = name
-            tensors[name] = t
+    for name, value in entries(model):
+        (aliases if isinstance(value, str) else tensors)[name] = value
     return tensors, aliases
 
 
@@ -85,7 +122,7 @@ def resident_bytes(model: nn.Module) -> int:
     tensors = [*model.parameters(), *model.buffers()]
     for module in model.modules():
         tensors += [t for t in getattr(module, "_layout", ()) if isinstance(t, torch.Tensor)]
-    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if not t.is_meta}.values())
 
 
 def structure(model: nn.Module) -> dict:
@@ -136,21 +173,61 @@ def atomic_dir(target: str | Path) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def save(model: nn.Module, tokenizer, out_dir: str | Path, info: dict | None = None) -> dict:
-    """Write a compressed checkpoint atomically; returns its stats incl. the real file size."""
-    tensors, tensor_aliases = unique_tensors(model)
-    manifest = {"format": "wscompress", "version": FORMAT_VERSION, **structure(model),
-                "tensor_aliases": tensor_aliases, "info": info or {}}
+def save(model: nn.Module, tokenizer, out_dir: str | Path, info: dict | None = None,
+         max_shard_size: int = 2**30) -> dict:
+    """Write a compressed checkpoint atomically, shard by shard (``max_shard_size`` bytes at most
+    in memory and in each file; an offloaded model is read one decoder layer at a time);
+    returns its stats incl. the real file size."""
     with atomic_dir(out_dir) as tmp:
-        save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, tmp / WEIGHTS, metadata={"format": "pt"})
+        shards: list[str] = []
+        pending: dict[str, torch.Tensor] = {}
+        aliases: dict[str, str] = {}
+
+        def flush() -> None:
+            shards.append(f"model-{len(shards) + 1:05d}.safetensors")
+            save_file({k: v.contiguous().cpu() for k, v in pending.items()}, tmp / shards[-1], metadata={"format": "pt"})
+            index.update((k, shards[-1]) for k in pending)
+            pending.clear()
+
+        index: dict[str, str] = {}
+        size = 0
+        for name, value in entries(model, load=True):
+            if isinstance(value, str):
+                aliases[name] = value
+                continue
+            nbytes = value.numel() * value.element_size()
+            if pending and size + nbytes > max_shard_size:
+                flush()
+                size = 0
+            pending[name], size = value, size + nbytes
+        if pending or not shards:
+            flush()
+        if len(shards) == 1:  # one file: the plain name
+            (tmp / shards[0]).rename(tmp / WEIGHTS)
+        else:
+            named = {old: f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i, old in enumerate(shards, 1)}
+            for old, new in named.items():
+                (tmp / old).rename(tmp / new)
+            (tmp / SHARD_INDEX).write_text(json.dumps({"metadata": {"format": "pt"},
+                                                       "weight_map": {k: named[v] for k, v in index.items()}}, indent=1))
+        manifest = {"format": "wscompress", "version": FORMAT_VERSION, **structure(model),
+                    "tensor_aliases": aliases, "info": info or {}}
         model.config.save_pretrained(tmp)
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-        file_bytes = (tmp / WEIGHTS).stat().st_size
+        file_bytes = sum(f.stat().st_size for f in weight_files(tmp))
     return {**stats(model), "file_bytes": file_bytes}
+
+
+def weight_files(path: str | Path) -> list[Path]:
+    """The weight files of a compressed checkpoint: one file, or the shards its index names."""
+    path = Path(path)
+    if (path / SHARD_INDEX).is_file():
+        return sorted({path / f for f in json.loads((path / SHARD_INDEX).read_text())["weight_map"].values()})
+    return [path / WEIGHTS]
 
 
 def load(path: str | Path, dtype: torch.dtype | None = None) -> tuple[nn.Module, object]:
@@ -167,7 +244,7 @@ def load(path: str | Path, dtype: torch.dtype | None = None) -> tuple[nn.Module,
     path = Path(path)
     try:
         manifest = json.loads((path / MANIFEST).read_text())
-        tensors = load_file(path / WEIGHTS)
+        tensors = {k: v for f in weight_files(path) for k, v in load_file(f).items()}
     except (OSError, json.JSONDecodeError, SafetensorError) as err:
         raise UsageError(f"{path}: corrupt or incomplete compressed checkpoint ({type(err).__name__}: {err})",
                          "re-run `wscompress compress` to write it again") from None
@@ -226,4 +303,4 @@ def export_dense(model: nn.Module, tokenizer, out_dir: str | Path) -> None:
 
 
 def file_size(path: str | Path) -> int:
-    return os.path.getsize(Path(path) / WEIGHTS)
+    return sum(f.stat().st_size for f in weight_files(path))

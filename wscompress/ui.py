@@ -72,5 +72,9 @@ def fmt(v) -> str:
 
 
 def show(title: str, rows: list[dict]) -> None:
-    """Print a summary table to stdout (kept in quiet mode: it is the result)."""
-    Console().print(table(title, rows))
+    """Print a summary table to stdout (kept in quiet mode: it is the result; by the first
+    process of a launch only)."""
+    from .distributed import is_main
+
+    if is_main():
+        Console().print(table(title, rows))

@@ -14,17 +14,20 @@ from typing import Literal
 import torch
 from torch import nn
 
-from . import calibrate, data, report, storage, ui
+from . import calibrate, data, distributed, report, storage, ui
 from .errors import UsageError
 from .model import load_model
 from .recipe import ModelConfig, Recipe, recipe_dict
+from .offload import offload_of
+from .stats import INDEX, Stats, fingerprint, scratch_folder
 
 
 class Context:
     """What a method may ask for besides the model: calibration data and statistics."""
 
-    def __init__(self, recipe: Recipe, tokenizer):
+    def __init__(self, recipe: Recipe, tokenizer, workdir: str | Path | None = None):
         self.recipe, self.tokenizer = recipe, tokenizer
+        self.workdir = workdir  # where statistics computed for one stage go (default: the system's temp folder)
         self._batches: list[torch.Tensor] | None = None
         self.stages_done = 0  # saved statistics describe the model before the first stage only
 
@@ -49,36 +52,27 @@ class Context:
 
     def stats_meta(self, model: nn.Module) -> dict:
         c = self.recipe.calibration
-        return {"model": calibrate.fingerprint(model), "dataset": c.dataset, "num_samples": c.num_samples,
+        return {"model": fingerprint(model), "dataset": c.dataset, "num_samples": c.num_samples,
                 "seq_len": c.seq_len, "seed": c.seed, "sampling": c.sampling,
                 "bos": data.resolve_bos(self.tokenizer, c.bos) if self.tokenizer is not None else c.bos}
 
-    def sensitivity(self, model: nn.Module, names: list[str], samples: int) -> dict[str, float]:
-        """Output sensitivity of the named linears on the first ``samples`` calibration
-        sequences (see ``calibrate.output_sensitivity``): saved by `calibrate` when it covers
-        them, else computed now."""
-        path = stats_path(self.recipe)
-        if path.is_file() and self.stages_done == 0:
-            meta = {**self.stats_meta(model), "sensitivity_samples": samples}
-            try:
-                saved = calibrate.load_sensitivity(path, meta)
-            except UsageError:  # made for another sample count (a model mismatch is refused by grams)
-                saved = {}
-            if all(n in saved for n in names):
-                return {n: saved[n] for n in names}
-        return calibrate.output_sensitivity(model, names, self.calibration(), samples)
-
-    def grams(self, model: nn.Module, names: list[str]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-        """Input Gram matrices of the named linears: from ``<output>/calibration.safetensors``
-        when `calibrate` wrote one for this model and data, else computed now (always after an
-        earlier stage of this run changed the model)."""
-        path = stats_path(self.recipe)
-        if path.is_file() and self.stages_done == 0:
-            grams, owner = calibrate.load_grams(path, self.stats_meta(model))
-            if all(n in owner for n in names):
-                return grams, owner
-            ui.log(f"[yellow]{path} lacks some targets; recomputing statistics[/]")
-        return calibrate.collect_grams(model, self.calibration(), names)
+    def stats(self, model: nn.Module, names: list[str], sensitivity_samples: int = 0) -> Stats:
+        """Input Gram matrices of the named linears and, with ``sensitivity_samples``, their output
+        sensitivities on that many calibration sequences (see ``calibrate``): from
+        ``<output>/calibration`` when `calibrate` wrote it for this model and data (sensitivities
+        for another sample count are recomputed), else computed now (always after an earlier
+        stage of this run changed the model)."""
+        folder = stats_dir(self.recipe)
+        if (folder / INDEX).is_file() and self.stages_done == 0:
+            stats = Stats(folder, self.stats_meta(model))
+            if all(n in stats.owner for n in names):
+                if sensitivity_samples and (stats.meta.get("sensitivity_samples") != sensitivity_samples
+                                            or not all(n in stats.sensitivity for n in names)):
+                    stats.sensitivity = calibrate.output_sensitivity(model, names, self.calibration(), sensitivity_samples)
+                return stats
+            ui.log(f"[yellow]{folder} lacks some targets; recomputing statistics[/]")
+        return calibrate.collect_grams(model, self.calibration(), names, scratch_folder(self.workdir),
+                                       sensitivity_samples=sensitivity_samples, scratch=True)
 
 
 Section = Literal["calibration", "finetune", "eval"]
@@ -104,21 +98,26 @@ def preflight(recipe: Recipe, sections: set[Section]) -> None:
         task_specs(recipe.eval.tasks, recipe.eval.task_data)
 
 
-def stats_path(recipe: Recipe) -> Path:
-    return recipe.out / "calibration.safetensors"
+def stats_dir(recipe: Recipe) -> Path:
+    return recipe.out / "calibration"
 
 
 def model_path(recipe: Recipe) -> Path:
     return recipe.out / "model"
 
 
-def apply_stages(model: nn.Module, tokenizer, recipe: Recipe) -> list[dict]:
-    """Run every compress stage in order on ``model`` (in place); one report row per stage."""
+def apply_stages(model: nn.Module, tokenizer, recipe: Recipe, workdir: str | Path | None = None) -> list[dict]:
+    """Run every compress stage in order on ``model`` (in place); one report row per stage.
+    Statistics a stage computes for itself go to a scratch folder in ``workdir``."""
     from .methods import METHODS
 
-    ctx = Context(recipe, tokenizer)
+    ctx = Context(recipe, tokenizer, workdir)
     rows = []
+    offload = offload_of(model)
     for i, stage in enumerate(recipe.compress):
+        if METHODS[stage.method].whole_model and offload.mode == "disk":
+            raise UsageError(f"compress.{i}: {stage.method} needs every decoder layer in memory at once, which "
+                             "model.offload: disk does not keep", "use model.offload: cpu (or none) for this recipe")
         before = storage.stats(model)["params"]
         start = time.perf_counter()
         result = METHODS[stage.method].apply(model, stage, ctx) or {}
@@ -150,16 +149,17 @@ def step_calibrate(recipe: Recipe) -> dict:
     names = [n for i in range(arch.num_layers) for n in arch.projections(i).values()]
     ctx = Context(recipe, tokenizer)
     start = time.perf_counter()
-    grams, owner = calibrate.collect_grams(model, ctx.calibration(), names)
     # the stages that allocate ranks also need the output sensitivities: saved alongside
     samples = max((s.sensitivity_samples for s in recipe.compress if getattr(s, "allocates", False)), default=0)
-    sensitivity = calibrate.output_sensitivity(model, names, ctx.calibration(), samples) if samples else None
-    meta = {**ctx.stats_meta(model), **({"sensitivity_samples": samples} if samples else {})}
-    calibrate.save_grams(stats_path(recipe), grams, owner, meta, sensitivity)
-    out = {"file": str(stats_path(recipe)), "calibration": ctx.describe(), "modules": len(owner), "gram_matrices": len(grams),
-           "tokens": sum(b.numel() for b in ctx.calibration()), "seconds": round(time.perf_counter() - start, 2),
+    with distributed.shared_atomic_dir(stats_dir(recipe)) as folder:
+        stats = calibrate.collect_grams(model, ctx.calibration(), names, folder, ctx.stats_meta(model), samples,
+                                        scratch=False)
+    out = {"folder": str(stats_dir(recipe)), "calibration": ctx.describe(), "modules": len(stats.owner),
+           "gram_matrices": len(stats), "tokens": sum(b.numel() for b in ctx.calibration()),
+           "processes": distributed.world()[1], "seconds": round(time.perf_counter() - start, 2),
            "peak_memory_mb": round(peak_memory_mb(), 1)}
-    report.write(recipe.out, "calibrate", out, recipe_dict(recipe))
+    if distributed.is_main():
+        report.write(recipe.out, "calibrate", out, recipe_dict(recipe))
     return out
 
 
@@ -169,8 +169,9 @@ def step_compress(recipe: Recipe) -> dict:
     preflight(recipe, {"calibration"})
     model, tokenizer = load_model(recipe.model)
     original = storage.stats(model)
-    rows = apply_stages(model, tokenizer, recipe)
-    saved = storage.save(model, tokenizer, model_path(recipe), {"recipe": recipe_dict(recipe), "stages": rows})
+    rows = apply_stages(model, tokenizer, recipe, recipe.out)
+    saved = storage.save(model, tokenizer, model_path(recipe), {"recipe": recipe_dict(recipe), "stages": rows},
+                         recipe.output.max_shard_size)
     out = {"model": str(model_path(recipe)), "original": original, "compressed": saved,
            "param_ratio": saved["params"] / original["params"], "stages": rows,
            "peak_memory_mb": round(peak_memory_mb(), 1)}
@@ -187,7 +188,10 @@ def step_finetune(recipe: Recipe, resume: bool = False) -> dict:
     preflight(recipe, {"finetune"})
     model, tokenizer = load_model(_trained_model_config(recipe))
     model, out = finetune(model, tokenizer, recipe, resume=resume)
-    out["saved"] = storage.save(model, tokenizer, model_path(recipe), {"recipe": recipe_dict(recipe), "finetune": out})
+    if not distributed.is_main():  # every process trained the same weights; the first writes them
+        return out
+    out["saved"] = storage.save(model, tokenizer, model_path(recipe), {"recipe": recipe_dict(recipe), "finetune": out},
+                                recipe.output.max_shard_size)
     report.write(recipe.out, "finetune", out, recipe_dict(recipe))
     return out
 
@@ -198,12 +202,14 @@ def _trained_model_config(recipe: Recipe, path: str | None = None) -> ModelConfi
     return recipe.model if target is None else recipe.model.model_copy(update={"path": target, "gguf_file": None})
 
 
-def evaluate(model: nn.Module, tokenizer, recipe: Recipe) -> dict:
+def evaluate(model: nn.Module, tokenizer, recipe: Recipe, original: bool = False) -> dict:
+    """Perplexity (+ lm-eval tasks, samples) of ``model``; the ``original`` checkpoint's
+    perplexities are computed once per model, text and protocol and then read from the cache."""
     e = recipe.eval
     from .evaluate.perplexity import evaluate_sources
 
     out = {"perplexity": evaluate_sources(model, tokenizer, e.perplexity, e.context_length, e.stride, e.batch_size,
-                                          e.max_windows, e.bos),
+                                          e.max_windows, e.bos, cache=original),
            **storage.stats(model)}
     if e.tasks:
         from .evaluate.lmeval import run_tasks
@@ -224,7 +230,7 @@ def step_eval(recipe: Recipe, path: str | None = None) -> dict:
     results = {}
     for label, mcfg in runs.items():
         model, tokenizer = load_model(mcfg)
-        results[label] = evaluate(model, tokenizer, recipe)
+        results[label] = evaluate(model, tokenizer, recipe, original=mcfg == recipe.model)
         del model
     rows = [{"model": label, "source": data.source_label(src),
              **{k: r["perplexity"][src][k] for k in ("ppl", "tokens", "bos", "tokens_per_s")},
@@ -246,14 +252,15 @@ def step_eval(recipe: Recipe, path: str | None = None) -> dict:
 
 
 def step_run(recipe: Recipe) -> dict:
-    """The whole recipe: compress (if stages), finetune (if a section), eval, bench (if a section)."""
+    """The whole recipe, as far as it has sections: compress (stages), finetune, eval, bench."""
     preflight(recipe, {"calibration", "finetune", "eval"})
     out = {}
     if recipe.compress:
         out["compress"] = step_compress(recipe)
     if recipe.finetune is not None and recipe.finetune.enabled:
         out["finetune"] = step_finetune(recipe)
-    out["eval"] = step_eval(recipe)
+    if "eval" in recipe.model_fields_set:
+        out["eval"] = step_eval(recipe)
     if recipe.bench is not None:
         from .evaluate.bench import step_bench
 

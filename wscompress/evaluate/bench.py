@@ -20,25 +20,18 @@ import torch
 from torch import nn
 
 from .. import report, storage, ui
-from ..model import load_model, model_device, resolve_path
+from ..model import checkpoint_files, load_model, model_device, resolve_path
+from ..offload import offload_of
 from ..recipe import BenchConfig, ModelConfig, Recipe, recipe_dict
 
 
 def weight_files_bytes(cfg: ModelConfig) -> int | None:
     """Bytes of the checkpoint's weight files (None for a hub id not in the local cache)."""
     path, gguf = resolve_path(cfg)
-    folder = Path(path)
-    if not folder.is_dir():
-        from huggingface_hub import snapshot_download
-
-        try:
-            folder = Path(snapshot_download(path, revision=cfg.revision, local_files_only=True))
-        except (OSError, ValueError):  # not in the local cache, or not a valid hub id
-            return None
     if gguf:
-        return (folder / gguf).stat().st_size
-    files = list(folder.glob("*.safetensors")) or list(folder.glob("*.bin"))
-    return sum(f.stat().st_size for f in files)
+        return (Path(path) / gguf).stat().st_size
+    files = checkpoint_files(path, cfg.revision) or list(Path(path).glob("*.bin"))
+    return sum(f.stat().st_size for f in files) if files else None
 
 
 def _elapsed(device: torch.device, fn: Callable[[], None]) -> float:
@@ -100,7 +93,9 @@ def measure(model_cfg: ModelConfig, cfg: BenchConfig, quiet: bool = False) -> di
     start = time.perf_counter()
     model, _ = load_model(model_cfg)
     load_s = time.perf_counter() - start
-    shapes = {(b, s): throughput(model, b, s, cfg) for b in ui.track(cfg.batch_sizes, "bench batch sizes") for s in cfg.seq_lens}
+    with offload_of(model).running():  # offloaded layers are read as they run: the timings include that
+        shapes = {(b, s): throughput(model, b, s, cfg) for b in ui.track(cfg.batch_sizes, "bench batch sizes")
+                  for s in cfg.seq_lens}
     if model_device(model).type == "cuda":
         peak = torch.cuda.max_memory_allocated() / 2**20
     else:
@@ -111,7 +106,7 @@ def measure(model_cfg: ModelConfig, cfg: BenchConfig, quiet: bool = False) -> di
     return {"params": stats["params"], "weights_mb": stats["tensor_bytes"] / 2**20,
             "resident_mb": storage.resident_bytes(model) / 2**20, "kernel": kernel_path(model),
             "file_mb": None if file_bytes is None else file_bytes / 2**20, "load_s": load_s, "peak_memory_mb": peak,
-            "device": str(model_device(model)), "shapes": [{"batch": b, "seq_len": s, **r} for (b, s), r in shapes.items()]}
+            "device": str(model_device(model)), "offload": model_cfg.offload, "shapes": [{"batch": b, "seq_len": s, **r} for (b, s), r in shapes.items()]}
 
 
 def kernel_path(model: nn.Module) -> str:

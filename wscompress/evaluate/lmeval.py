@@ -19,7 +19,10 @@ from typing import Any
 
 from torch import nn
 
+from .. import distributed
 from ..errors import UsageError
+from ..model import model_device
+from ..offload import offload_of
 
 TASKS_DIR = Path(__file__).resolve().parents[1] / "tasks"
 
@@ -117,10 +120,16 @@ def run_tasks(model: nn.Module, tokenizer, tasks: list[str], limit: int | None =
     manager = TaskManager(include_path=[str(f) for f in folders], include_defaults=any(isinstance(s, str) for s in specs))
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size,
               add_bos_token=None if bos == "auto" else bos != "none")
+    rank, size = distributed.world()
+    if size > 1:  # lm-eval's data-parallel mode: each process answers its share of the requests
+        from accelerate import Accelerator
+
+        lm.accelerator, lm._rank, lm._world_size = Accelerator(cpu=model_device(model).type == "cpu"), rank, size
     try:
-        results = simple_evaluate(model=lm, tasks=specs, limit=limit, task_manager=manager, log_samples=False,
-                                  random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
-                                  fewshot_random_seed=seed)
+        with offload_of(model).running():
+            results = simple_evaluate(model=lm, tasks=specs, limit=limit, task_manager=manager, log_samples=False,
+                                      random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
+                                      fewshot_random_seed=seed)
     except KeyError as err:
         raise UsageError(f"eval.tasks: {err.args[0] if err.args else err}",
                          "use an lm-eval task name (`lm-eval ls tasks`), a shipped task "
@@ -128,4 +137,6 @@ def run_tasks(model: nn.Module, tokenizer, tasks: list[str], limit: int | None =
     except ConnectionError as err:
         raise UsageError(f"eval.tasks: a task's dataset could not be fetched ({err})",
                          "allow hub access (HF_DATASETS_OFFLINE=0) or use local task files") from None
+    if results is None:  # lm-eval gathers the results in the first process of a launch
+        return {}
     return {task: _metrics(values) for task, values in results["results"].items()}

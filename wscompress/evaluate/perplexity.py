@@ -5,15 +5,21 @@ protocol: models trained with one (Gemma, LLaMA-2) score ~3x worse without it.""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import data, ui
+from .. import data, distributed, ui
 from ..model import model_device
+from ..offload import offload_of
+
+PROTOCOL = 1  # bump when the computation changes: cached figures of older versions are not reused
 
 
 @torch.no_grad()
@@ -32,7 +38,8 @@ def perplexity(model: nn.Module, ids: torch.Tensor, context_length: int, stride:
     batches = [g[i: i + batch_size] for g in groups.values() for i in range(0, len(g), batch_size)]
     nll, count = 0.0, 0
     start = time.perf_counter()
-    for batch in ui.track(batches, label):
+    rank, size = distributed.world()
+    for batch in ui.track(batches[rank::size], label):  # several processes: each scores its share of the windows
         x = torch.stack([ids[b:e] for b, e, _ in batch])
         if prefix:
             x = torch.cat([torch.full((len(batch), 1), bos_id, dtype=x.dtype), x], 1)
@@ -42,25 +49,51 @@ def perplexity(model: nn.Module, ids: torch.Tensor, context_length: int, stride:
         target = x[:, first:]
         nll += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="sum").item()
         count += target.numel()
+    nll, count = distributed.reduced(torch.tensor([nll, count], dtype=torch.float64, device=device)).tolist()
     seconds = time.perf_counter() - start
     mean = nll / max(count, 1)
-    return {"ppl": math.exp(mean), "nll": mean, "tokens": count, "windows": len(spans),
+    return {"ppl": math.exp(mean), "nll": mean, "tokens": int(count), "windows": len(spans),
             "seconds": seconds, "tokens_per_s": sum(e - b + prefix for b, e, _ in spans) / max(seconds, 1e-9)}
 
 
 def evaluate_text(model: nn.Module, tokenizer, source: str, context_length: int, stride: int | None = None,
                   batch_size: int = 4, max_windows: int | None = None, bos: data.Bos = "auto",
-                  label: str | None = None) -> dict:
-    """Perplexity on one text source with the BOS placement ``bos`` (reported as ``bos``)."""
+                  label: str | None = None, cache: bool = False) -> dict:
+    """Perplexity on one text source with the BOS placement ``bos`` (reported as ``bos``).
+    With ``cache`` the result is kept per (model fingerprint, text, protocol) in the cache
+    folder and read from there next time (for the original checkpoint, which runs never change)."""
     mode = data.resolve_bos(tokenizer, bos)
+    path = _cache_path(model, source, context_length, stride, max_windows, mode) if cache else None
+    if path is not None and path.is_file():
+        return {**json.loads(path.read_text()), "cached": True}
     limit = None if max_windows is None else max_windows * (stride or context_length) + context_length
     ids = data.tokenize(tokenizer, source, max_tokens=limit, bos=mode)
-    result = perplexity(model, ids, context_length, stride, batch_size, max_windows, label=label or f"ppl {source}",
-                        bos_id=tokenizer.bos_token_id if mode == "window" else None)
-    return {**result, "bos": mode}
+    with offload_of(model).running():
+        result = perplexity(model, ids, context_length, stride, batch_size, max_windows, label=label or f"ppl {source}",
+                            bos_id=tokenizer.bos_token_id if mode == "window" else None)
+    result = {**result, "bos": mode}
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(result))
+        tmp.replace(path)
+    return result
+
+
+def _cache_path(model: nn.Module, source: str, context_length: int, stride: int | None, max_windows: int | None,
+                bos: str) -> Path:
+    """Where the perplexity of this model on this text under this protocol is cached."""
+    from ..model import cache_dir
+    from ..stats import fingerprint
+
+    text = hashlib.sha1(data.load_text(source).encode()).hexdigest()
+    where = [str(next(model.parameters()).dtype), model_device(model).type]  # the digits depend on both
+    key = json.dumps([PROTOCOL, fingerprint(model), *where, text, context_length, stride, max_windows, bos])
+    return cache_dir() / "perplexity" / f"{hashlib.sha1(key.encode()).hexdigest()[:20]}.json"
 
 
 def evaluate_sources(model: nn.Module, tokenizer, sources: list[str], context_length: int, stride: int | None,
-                     batch_size: int, max_windows: int | None, bos: data.Bos = "auto") -> dict[str, dict]:
-    """Perplexity on each named source."""
-    return {s: evaluate_text(model, tokenizer, s, context_length, stride, batch_size, max_windows, bos) for s in sources}
+                     batch_size: int, max_windows: int | None, bos: data.Bos = "auto", cache: bool = False) -> dict[str, dict]:
+    """Perplexity on each named source (cached per model, text and protocol with ``cache``)."""
+    return {s: evaluate_text(model, tokenizer, s, context_length, stride, batch_size, max_windows, bos, cache=cache)
+            for s in sources}

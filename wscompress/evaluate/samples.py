@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from ..model import model_device
+from ..offload import offload_of
 
 
 @torch.no_grad()
@@ -15,7 +16,8 @@ def generate_samples(model: nn.Module, tokenizer, prompts: list[str], max_new_to
     out = []
     for prompt in prompts:
         enc = tokenizer(prompt, return_tensors="pt").to(device)
-        ids = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
-                             pad_token_id=tokenizer.pad_token_id)
+        with offload_of(model).running():
+            ids = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
+                                 pad_token_id=tokenizer.pad_token_id)
         out.append({"prompt": prompt, "completion": tokenizer.decode(ids[0, enc.input_ids.shape[1]:], skip_special_tokens=True)})
     return out

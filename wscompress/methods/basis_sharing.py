@@ -26,13 +26,13 @@ import torch
 from pydantic import Field, model_validator
 from torch import nn
 
-from .. import ui
 from ..allocation import Unit, allocate, spectrum
-from ..arch import Arch, discover, get_module, require_unshared, set_module, weight_of
-from ..compensate import swap_and_refit
+from ..arch import Arch, dims_of, discover, get_module, require_unshared, set_module, weight_of
+from ..compensate import refit_pass
 from ..errors import UsageError
 from ..linalg import low_rank, refit_coefficients
 from ..modules import register_module
+from ..offload import offload_of
 from . import register
 from .svd import LowRankConfig, LowRankLinear, decoder_projections
 
@@ -50,9 +50,6 @@ class BasisSharingConfig(LowRankConfig):
     group_size: int = Field(2, gt=0, description="consecutive layers sharing one basis per projection type")
     shared: list[Role] | None = Field(None, description="roles that share bases (default: per architecture)")
     private: list[Role] | None = Field(None, description="roles compressed per layer (default: the other roles)")
-    refit: bool = Field(False, description="re-solve coefficients on the compressed model's own activations")
-    ridge: float = Field(1e-3, ge=0, description="refit: ridge toward the unrefit coefficients, relative to the "
-                                                  "mean diagonal of B·G·Bᵀ")
 
     @model_validator(mode="after")
     def _disjoint_roles(self):
@@ -106,6 +103,7 @@ def resolve_roles(arch: Arch, cfg: BasisSharingConfig) -> tuple[list[str], list[
 @register(BasisSharingConfig)
 def apply(model: nn.Module, cfg: BasisSharingConfig, ctx) -> dict:
     arch = discover(model)
+    offload = offload_of(model)
     groups = layer_groups(arch.num_layers, cfg.group_size)
     shared, private = resolve_roles(arch, cfg)
     chosen = decoder_projections(model, arch, cfg)
@@ -114,37 +112,40 @@ def apply(model: nn.Module, cfg: BasisSharingConfig, ctx) -> dict:
         raise UsageError("basis_sharing: the targets select none of the shared or private projections",
                          "widen targets or name the roles in shared/private")
     require_unshared(model, names, "basis_sharing")  # stacking one module twice is no sharing
-    grams, owner = ctx.grams(model, names)
-    parts: list[tuple[str, list[str]]] = []  # one per factorisation: a shared role's group, a private role's layer
-    for group in groups:
+    stats = ctx.stats(model, names, cfg.sensitivity_samples if cfg.allocates else 0)
+    parts: dict[int, list[tuple[str, list[str]]]] = {}  # group index -> its factorisations (role, members)
+    for g, group in enumerate(groups):
         for role in shared + private:
             members = [n for i in group if (n := arch.projections(i).get(role)) in chosen]
-            parts += [(role, p) for p in ([members] if role in shared else [[n] for n in members]) if p]
-    scale = ctx.sensitivity(model, names, cfg.sensitivity_samples) if cfg.allocates else None
+            parts.setdefault(g, []).extend((role, p) for p in ([members] if role in shared else [[n] for n in members]) if p)
+    scale = stats.sensitivity if cfg.allocates else None
 
     def stacked(part: list[str]) -> tuple[list[torch.Tensor], torch.Tensor]:
         """The part's weights and the Gram its basis is whitened with: the layers' Grams each
         weighted by their sensitivity (fisher) or divided by their output energy (uniform)."""
         ws = [weight_of(get_module(model, n)) for n in part]
-        g = [grams[owner[n]].to(ws[0].device) for n in part]
+        g = [stats.of(n).to(ws[0].device) for n in part]
         return ws, sum(gi * scale[n] if scale else relative(wi, gi) for n, wi, gi in zip(part, ws, g))
 
     if scale:
         units = []
-        for role, part in ui.track(parts, "basis sharing spectra"):
-            ws, gram = stacked(part)
-            units.append(Unit(part[0], spectrum(torch.cat(ws), gram), ws[0].shape[1] + sum(w.shape[0] for w in ws),
-                              sum(w.numel() for w in ws)))
+        for g, _group in enumerate(offload.groups(groups, "basis sharing spectra")):
+            for _role, part in parts[g]:
+                ws, gram = stacked(part)
+                units.append(Unit(part[0], spectrum(torch.cat(ws), gram), ws[0].shape[1] + sum(w.shape[0] for w in ws),
+                                  sum(w.numel() for w in ws)))
         wanted = allocate(units, cfg.ratio)
     else:
-        wanted = {part[0]: cfg.rank_for(weight_of(get_module(model, part[0])).shape[1],
-                                        weight_of(get_module(model, part[0])).shape[0], len(part)) for _, part in parts}
+        wanted = {part[0]: cfg.rank_for(*dims_of(get_module(model, part[0])), len(part))
+                  for g in parts.values() for _, part in g}
 
-    new: dict[str, LowRankLinear] = {}  # every replacement is built before any is swapped in
     ranks: dict[str, int | None] = {}
     shifted: list[str] = []
-    with torch.no_grad():
-        for role, part in ui.track(parts, "basis sharing groups"):
+
+    def build(g: int) -> dict[str, LowRankLinear]:
+        """Group g's replacements, built from its original weights (the group onloaded)."""
+        new = {}
+        for role, part in parts[g]:
             label = f"{part[0]} (+{len(part) - 1} sharing)" if len(part) > 1 else part[0]
             ranks[label] = wanted[part[0]]
             if wanted[part[0]] is None:  # the allocation keeps these dense
@@ -156,7 +157,7 @@ def apply(model: nn.Module, cfg: BasisSharingConfig, ctx) -> dict:
             if how == "shifted":
                 shifted.append(part[0])
             if len(part) > 1:  # the basis suits the group; each layer's coefficients can suit it alone
-                coeff = torch.cat([refit_coefficients(wi, basis, grams[owner[n]]) for n, wi in zip(part, ws)])
+                coeff = torch.cat([refit_coefficients(wi, basis, stats.of(n)) for n, wi in zip(part, ws)])
             ranks[label] = basis.shape[0]
             if role in shared:
                 lin = nn.Linear(d_in, basis.shape[0], bias=False, device=w.device, dtype=w.dtype)
@@ -164,13 +165,25 @@ def apply(model: nn.Module, cfg: BasisSharingConfig, ctx) -> dict:
                 basis = lin
             cls = SharedBasisLinear if role in shared else LowRankLinear
             for n, c in zip(part, coeff.split(d_out)):
-                m = get_module(model, n)
-                new[n] = cls.replacing(m, c, basis)
-    if cfg.refit:
-        swap_and_refit(model, arch, new, ctx.calibration(), cfg.ridge)
-    else:
-        for n, module in new.items():
-            set_module(model, n, module)
+                new[n] = cls.replacing(get_module(model, n), c, basis)
+        return new
+
+    with torch.no_grad():
+        if cfg.refit:
+            built: dict[str, LowRankLinear] = {}  # a group's replacements wait for their layer's turn
+
+            def layer(i: int) -> dict[str, LowRankLinear]:
+                g = next(g for g, group in enumerate(groups) if i in group)
+                if i == groups[g][0]:
+                    with offload.onload(groups[g]):
+                        built.update(build(g))
+                return {n: built.pop(n) for n in list(built) if chosen[n][0] == i}
+
+            refit_pass(model, arch, ctx.calibration(), layer, cfg.ridge)
+        else:
+            for g, group in enumerate(offload.groups(groups, "basis sharing groups")):
+                for n, module in build(g).items():
+                    set_module(model, n, module)
     remainder = len(groups[-1]) if len(groups[-1]) != cfg.group_size else 0
     return {"groups": len(groups), "group_size": cfg.group_size,
             "remainder": (f"the last {remainder} layers form their own group with their own rank budget"

@@ -58,7 +58,7 @@ def group_errors(model, arch, groups: list[list[int]], part: Part, batches) -> d
     return errors
 
 
-@register(CrossLayerConfig)
+@register(CrossLayerConfig, whole_model=True)
 def apply(model, cfg: CrossLayerConfig, ctx) -> dict:
     arch = discover(model)
     if cfg.groups is not None:

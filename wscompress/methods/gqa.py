@@ -38,7 +38,7 @@ def pool_heads(module: nn.Module, heads: int, groups: int) -> nn.Linear:
     return lin
 
 
-@register(GQAConfig)
+@register(GQAConfig, whole_model=True)
 def apply(model, cfg: GQAConfig, ctx) -> dict:
     arch = discover(model)
     heads, kv = arch.num_heads, arch.num_kv_heads

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import re
 import time
+from collections.abc import Mapping
 from typing import Literal
 
 import numpy as np
@@ -26,8 +27,7 @@ from pydantic import Field, model_validator
 from torch import nn
 
 from .. import kernels, ui
-from ..arch import LINEAR_TYPES, Conv1D, discover, distinct, match_modules, replace_everywhere, weight_of
-from ..calibrate import shared_grams
+from ..arch import LINEAR_TYPES, Conv1D, dims_of, discover, distinct, match_modules, replace_everywhere, weight_of
 from ..clustering import Init, assign, cluster
 from ..errors import UsageError
 from ..modules import CompressedLinear, register_module
@@ -41,7 +41,9 @@ from ..packing import (
     packed_nbytes,
     unpack,
 )
+from ..offload import offload_of
 from ..recipe import StageConfig
+from ..stats import SharedGrams
 from . import register
 
 CodebookDtype = Literal["float16", "bfloat16", "float32"]
@@ -341,23 +343,31 @@ def summarize(rows: list[dict], bits: int) -> dict:
 
 @register(KMeansConfig)
 def apply(model: nn.Module, cfg: KMeansConfig, ctx) -> dict:
-    """Palettize every target linear; returns totals and one row per layer."""
+    """Palettize every target linear, one decoder layer at a time; returns totals and one row per layer."""
+    arch = discover(model)
+    offload = offload_of(model)
     layers = target_layers(model, cfg)
     for name, module in layers.items():
-        check_layer(name, *weight_of(module).shape, cfg)
-    grams: dict[str, torch.Tensor] = {}
-    inside = discover(model).layers_path + "."
+        check_layer(name, *reversed(dims_of(module)), cfg)
+    grams: Mapping[str, torch.Tensor] = {}
+    inside = arch.layers_path + "."
     if cfg.needs_statistics:  # calibration covers the decoder layers: a module used by several, on all its uses
         chosen = {id(m) for m in layers.values()}
         every = [n for n, m in model.named_modules(remove_duplicate=False) if n.startswith(inside) and id(m) in chosen]
         if every:
-            grams = shared_grams(model, every, *ctx.grams(model, every))
+            grams = SharedGrams(model, every, ctx.stats(model, every))
+    by_layer: dict[int | None, list[str]] = {}
+    for name in layers:
+        by_layer.setdefault(arch.layer_of(name), []).append(name)
     start = time.perf_counter()
     rows = []
-    for name, module in ui.track(list(layers.items()), f"kmeans {cfg.bits}-bit"):
-        layer = palettize(module, cfg, grams.get(name))
-        rows.append(layer_report(name, weight_of(module), layer))
-        replace_everywhere(model, module, layer)
+    for i, names in ui.track(list(by_layer.items()), f"kmeans {cfg.bits}-bit"):
+        with offload.onload([] if i is None else [i]):
+            for name in names:
+                module = layers[name]
+                layer = palettize(module, cfg, grams.get(name))
+                rows.append(layer_report(name, weight_of(module), layer))
+                replace_everywhere(model, module, layer)
     without = [n for n in layers if cfg.needs_statistics and n not in grams]
     return {**summarize(rows, cfg.bits), "cluster_seconds": round(time.perf_counter() - start, 2),
             "sensitivity": cfg.sensitivity, "error_feedback": cfg.error_feedback, "outliers": cfg.outliers,

@@ -24,7 +24,7 @@ class MergeConfig(WindowStage):
         return parts
 
 
-@register(MergeConfig)
+@register(MergeConfig, whole_model=True)
 def apply(model, cfg: MergeConfig, ctx) -> dict:
     arch = discover(model)
     windows = cfg.windows(arch.num_layers)

@@ -46,7 +46,7 @@ def drop_layers(model: nn.Module, keep: list[int]) -> None:
     config.num_hidden_layers = len(keep)
 
 
-@register(MergeDropConfig)
+@register(MergeDropConfig, whole_model=True)
 def apply(model, cfg: MergeDropConfig, ctx) -> dict:
     arch = discover(model)
     if getattr(model.config, "scale_attn_by_inverse_layer_idx", False):

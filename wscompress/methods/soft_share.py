@@ -31,10 +31,12 @@ from ..arch import Arch, Conv1D, discover, get_module, require_unshared, set_mod
 from ..errors import UsageError
 from ..linalg import low_rank
 from ..model import model_device
+from ..offload import offload_of
 from ..modules import CompressedLinear, register_module
 from ..recipe import StageConfig
 from ..calibrate import layerwise, start_at
 from ..sharing import check_groups, sample_inputs
+from ..stats import Stats
 from . import register
 
 OUTPUT_ROLES = ("gate", "up")  # rows are the FFN's neurons; "down" has them as columns
@@ -154,8 +156,8 @@ def soft_modules(weights: list[dict[str, Weights]], rank: int,
 class Planner:
     """Builds soft-shared FFN modules for any window, caching neuron alignments."""
 
-    def __init__(self, arch: Arch, acts: dict[int, torch.Tensor], rank: int, grams: dict[str, torch.Tensor] | None = None):
-        self.arch, self.acts, self.rank, self.grams = arch, acts, rank, grams
+    def __init__(self, arch: Arch, acts: dict[int, torch.Tensor], rank: int, stats: Stats | None = None):
+        self.arch, self.acts, self.rank, self.stats = arch, acts, rank, stats
         self._perms: dict[tuple[int, int], torch.Tensor] = {}
 
     def perm(self, ref: int, i: int) -> torch.Tensor:
@@ -170,8 +172,8 @@ class Planner:
         layers = range(start, start + window)
         weights = [aligned_weights(self.arch, i, self.perm(start, i)) for i in layers]
         grams = None
-        if self.grams is not None:  # the down projection's inputs are the permuted neurons
-            grams = [{role: self.grams[name] if role in OUTPUT_ROLES else self.grams[name][p][:, p]
+        if self.stats is not None:  # the down projection's inputs are the permuted neurons
+            grams = [{role: self.stats.of(name) if role in OUTPUT_ROLES else self.stats.of(name)[p][:, p]
                       for role, name in ffn_names(self.arch, i).items()}
                      for i in layers for p in [self.perm(start, i)]]
         out = {}
@@ -191,7 +193,8 @@ def sampled_nll(model: nn.Module, batches: list[torch.Tensor], positions: torch.
     total, count = 0.0, 0
     for b in batches:
         b = b.to(device)
-        logits = model(input_ids=b, logits_to_keep=positions.to(device), use_cache=False).logits.float()
+        with offload_of(model).running():
+            logits = model(input_ids=b, logits_to_keep=positions.to(device), use_cache=False).logits.float()
         total += F.cross_entropy(logits.flatten(0, 1), b[:, positions.to(device) + 1].flatten(), reduction="sum").item()
         count += logits.shape[0] * logits.shape[1]
     return total / count
@@ -221,7 +224,7 @@ def search(model: nn.Module, planner: Planner, candidates: list[int], window: in
     return min(scores, key=scores.get), scores
 
 
-@register(SoftShareConfig)
+@register(SoftShareConfig, whole_model=True)
 def apply(model, cfg: SoftShareConfig, ctx) -> dict:
     arch = discover(model)
     n = arch.num_layers
@@ -235,12 +238,8 @@ def apply(model, cfg: SoftShareConfig, ctx) -> dict:
     if cfg.starts is not None:
         check_groups([list(range(s, s + cfg.window)) for s in cfg.starts], n, what="starts")
     batches = ctx.calibration()
-    grams = None
-    if cfg.whitening:
-        names = [name for i in range(n) for name in ffn_names(arch, i).values()]
-        found, owner = ctx.grams(model, names)
-        grams = {name: found[owner[name]] for name in names}
-    planner = Planner(arch, sample_inputs(model, arch, batches, "down", cfg.samples_per_batch), cfg.rank, grams)
+    stats = ctx.stats(model, [name for i in range(n) for name in ffn_names(arch, i).values()]) if cfg.whitening else None
+    planner = Planner(arch, sample_inputs(model, arch, batches, "down", cfg.samples_per_batch), cfg.rank, stats)
     scores: dict[int, float] = {}
     if cfg.starts is not None:
         starts = cfg.starts

@@ -15,13 +15,14 @@ import torch
 from pydantic import Field, model_validator
 from torch import nn
 
-from .. import ui
 from ..allocation import Unit, allocate, spectrum
-from ..arch import Arch, Conv1D, discover, distinct, get_module, match_modules, replace_everywhere, weight_of
-from ..calibrate import shared_grams
+from ..arch import Arch, Conv1D, dims_of, discover, distinct, get_module, match_modules, replace_everywhere, weight_of
+from ..compensate import refit_pass
 from ..linalg import low_rank, rank_for_ratio
 from ..modules import CompressedLinear, register_module
+from ..offload import offload_of
 from ..recipe import StageConfig
+from ..stats import SharedGrams
 from . import register
 
 Allocation = Literal["uniform", "fisher"]
@@ -80,6 +81,10 @@ class LowRankConfig(StageConfig):
     allocation: Allocation = Field("fisher", description="uniform: every matrix loses `ratio`; fisher: one "
                                    "budget, ranks where they cost the model's loss least (see allocation.py)")
     sensitivity_samples: int = Field(16, gt=0, description="fisher: calibration sequences for the sensitivities")
+    refit: bool = Field(False, description="re-solve coefficients on the compressed model's own activations "
+                                           "(error compensation, see compensate.py)")
+    ridge: float = Field(1e-3, ge=0, description="refit: ridge toward the unrefit coefficients, relative to the "
+                                                  "mean diagonal of B·G·Bᵀ")
 
     @model_validator(mode="after")
     def _ratio_or_rank(self):
@@ -122,30 +127,47 @@ def decoder_projections(model: nn.Module, arch: Arch, cfg: StageConfig) -> dict[
 @register(SVDConfig)
 def apply(model: nn.Module, cfg: SVDConfig, ctx) -> dict:
     arch = discover(model)
-    every = list(decoder_projections(model, arch, cfg))
-    names = distinct(model, every)  # a module shared by layers: factorised once
-    wanted: dict[str, int | None] = {n: cfg.rank_for(*reversed(weight_of(get_module(model, n)).shape)) for n in names}
-    grams = shared_grams(model, every, *ctx.grams(model, every)) if cfg.whitening else {}
+    offload = offload_of(model)
+    chosen = decoder_projections(model, arch, cfg)
+    every = list(chosen)
+    names = distinct(model, every)  # a module shared by layers: factorised once, where first used
+    in_layer = {i: [n for n in names if chosen[n][0] == i] for i in range(arch.num_layers)}
+    layers = [[i] for i in range(arch.num_layers) if in_layer[i]]
+    stats = ctx.stats(model, every, cfg.sensitivity_samples if cfg.allocates else 0) \
+        if cfg.whitening or cfg.allocates else None
+    grams = SharedGrams(model, every, stats) if cfg.whitening else {}
     if cfg.allocates:
-        scale = ctx.sensitivity(model, names, cfg.sensitivity_samples)
         units = []
-        for n in ui.track(names, "svd spectra"):
-            w = weight_of(get_module(model, n))
-            units.append(Unit(n, spectrum(w, grams.get(n)) * scale[n], sum(w.shape), w.numel()))
+        for (i,) in offload.groups(layers, "svd spectra"):
+            for n in in_layer[i]:
+                w = weight_of(get_module(model, n))
+                units.append(Unit(n, spectrum(w, grams.get(n)) * stats.sensitivity[n], sum(w.shape), w.numel()))
         wanted = allocate(units, cfg.ratio)
-    ranks: dict[str, int | None] = {}
+    else:
+        wanted = {n: cfg.rank_for(*dims_of(get_module(model, n))) for n in names}
     shifted = []
-    with torch.no_grad():
-        for name in ui.track(names, "svd layers"):
-            module = get_module(model, name)
-            ranks[name] = wanted[name]
+
+    def build(i: int) -> dict[str, LowRankLinear]:
+        """Layer i's replacements (the layer onloaded)."""
+        new = {}
+        for name in in_layer[i]:
             if wanted[name] is None:  # the allocation keeps it dense
                 continue
+            module = get_module(model, name)
             coeff, basis, how = low_rank(weight_of(module), wanted[name], grams.get(name))
-            replace_everywhere(model, module, LowRankLinear.replacing(module, coeff, basis))
-            ranks[name] = coeff.shape[1]
+            new[name] = LowRankLinear.replacing(module, coeff, basis)
             if how == "shifted":
                 shifted.append(name)
+        return new
+
+    with torch.no_grad():
+        if cfg.refit:
+            refit_pass(model, arch, ctx.calibration(), build, cfg.ridge)
+        else:
+            for (i,) in offload.groups(layers, "svd layers"):
+                for name, module in build(i).items():
+                    replace_everywhere(model, get_module(model, name), module)
+    ranks = {n: None if wanted[n] is None else min(wanted[n], *dims_of(get_module(model, n))) for n in names}
     return {"modules": len(names), "allocation": cfg.allocation_label(),
             "ranks": ranks, "dense": [n for n, k in ranks.items() if k is None], "whitening": cfg.whitening,
-            "gram_shifted": shifted}
+            "refit": cfg.refit, "gram_shifted": shifted}

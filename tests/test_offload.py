@@ -1,0 +1,111 @@
+"""The layer-group pipeline and offloading: the same results as before, whatever the placement."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import wscompress
+from conftest import tiny_model
+from wscompress import storage
+from wscompress.arch import discover
+from wscompress.errors import UsageError
+from wscompress.model import load_model
+from wscompress.offload import offload_of
+from wscompress.recipe import ModelConfig, load_recipe
+from wscompress.workflow import apply_stages
+
+GOLDEN = Path(__file__).parent / "data" / "pipeline_logits.safetensors"
+CALIB = {"dataset": "pydoc", "num_samples": 8, "seq_len": 32, "batch_size": 2}
+RECIPES = {  # name -> stages; GOLDEN holds logits[..., :64] of each, computed before the pipeline existed
+    "svd_fisher": [{"method": "svd", "ratio": 0.3, "sensitivity_samples": 4}],
+    "basis_sharing_refit": [{"method": "basis_sharing", "ratio": 0.3, "refit": True, "sensitivity_samples": 4}],
+    "basis_sharing_uniform_kmeans": [{"method": "basis_sharing", "ratio": 0.3, "allocation": "uniform"},
+                                     {"method": "kmeans", "bits": 4}],
+    "kmeans": [{"method": "kmeans", "bits": 3}],
+}
+X = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0))
+
+
+def logits(model) -> torch.Tensor:
+    with torch.no_grad(), offload_of(model).running():
+        return model(X).logits[..., :64]
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_results_equal_the_whole_model_code(kind, name, tokenizer):
+    """Statistics streamed to disk one layer at a time, the layer-by-layer sensitivities and the
+    per-group method steps give the logits the earlier whole-model code gave."""
+    model = tiny_model(kind)
+    wscompress.compress(model, RECIPES[name], tokenizer=tokenizer, calibration=CALIB)
+    torch.testing.assert_close(logits(model), load_file(GOLDEN)[f"{kind}.{name}"], rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture
+def on_disk(tiny_dir, tmp_path):
+    """(model with its decoder layers resting on disk, tokenizer)."""
+    return load_model(ModelConfig(path=str(tiny_dir("llama")), offload="disk", offload_folder=str(tmp_path / "spill")))
+
+
+def resident_layers(model) -> list[int]:
+    return [i for i, layer in enumerate(discover(model).layers) if any(not t.is_meta for t in layer.state_dict().values())]
+
+
+@pytest.mark.parametrize("name", ["basis_sharing_refit", "basis_sharing_uniform_kmeans"])
+def test_disk_offload_compresses_to_the_same_model_one_group_at_a_time(name, on_disk, tmp_path):
+    model, tok = on_disk
+    assert resident_layers(model) == []  # nothing of the layers in memory after loading
+    arch = discover(model)
+    most = [0]
+    for layer in arch.layers:  # how many layers hold real tensors whenever one runs
+        layer.register_forward_pre_hook(lambda *_: most.__setitem__(0, max(most[0], len(resident_layers(model)))))
+    recipe = load_recipe(data={"calibration": CALIB, "compress": RECIPES[name]})
+    apply_stages(model, tok, recipe, tmp_path)
+    torch.testing.assert_close(logits(model), load_file(GOLDEN)[f"llama.{name}"], rtol=1e-5, atol=1e-5)
+    assert 1 <= most[0] <= 2 and resident_layers(model) == []  # a group of 2 at most, none at rest
+    saved = storage.save(model, tok, tmp_path / "out", max_shard_size=50_000)  # shard by shard
+    files = storage.weight_files(tmp_path / "out")
+    def fits(f: Path) -> bool:  # the tensors of a shard within the limit, or one larger tensor alone
+        tensors = load_file(f)
+        return sum(t.numel() * t.element_size() for t in tensors.values()) <= 50_000 or len(tensors) == 1
+    assert len(files) > 1 and all(map(fits, files))
+    assert saved["file_bytes"] == sum(f.stat().st_size for f in files)
+    for placement in ("none", "disk"):
+        again, _ = load_model(ModelConfig(path=str(tmp_path / "out"), offload=placement))
+        torch.testing.assert_close(logits(again), logits(model), rtol=0, atol=0)
+
+
+def test_disk_offload_evaluates_like_memory(tiny_dir):
+    from wscompress.evaluate.perplexity import evaluate_text
+
+    path = str(tiny_dir("llama"))
+    ppl = {mode: evaluate_text(*load_model(ModelConfig(path=path, offload=mode)), "pydoc", 64, max_windows=4)["ppl"]
+           for mode in ("none", "disk")}
+    assert ppl["disk"] == pytest.approx(ppl["none"], rel=1e-6)
+
+
+def test_disk_offload_refuses_what_needs_the_whole_model(on_disk, tmp_path):
+    from wscompress.finetune import finetune
+
+    model, tok = on_disk
+    recipe = load_recipe(data={"compress": [{"method": "merge_drop", "groups": [[1, 2]]}]})
+    with pytest.raises(UsageError, match="every decoder layer in memory"):
+        apply_stages(model, tok, recipe, tmp_path)
+    with pytest.raises(UsageError, match="offload: disk"):
+        finetune(model, tok, load_recipe(data={"finetune": {"steps": 1}}))
+
+
+def test_nested_onloads_keep_a_layer_until_the_last_leaves(on_disk):
+    model, _ = on_disk
+    offload = offload_of(model)
+    with offload.onload([1, 2]):
+        with offload.onload([2]):
+            assert resident_layers(model) == [1, 2]
+        assert resident_layers(model) == [1, 2]
+    assert resident_layers(model) == []
+    with pytest.raises(UsageError):
+        load_model(ModelConfig(path=str(Path(offload.folder)), offload="disk"))  # no checkpoint there
