@@ -48,7 +48,7 @@ $(WS) calibrate $(firstword $(wildcard $(1))) -o $(3)/calibration -q
 for cfg in $(wildcard $(1)); do for r in $(2); do \
   run=$(3)/$$(basename $$cfg .yaml)-$$r; extra=""; \
   case $$cfg in *basis_sharing*) awk "BEGIN{exit !($$r >= $(REFIT_FROM))}" && extra="--set compress.0.refit=true";; esac; \
-  echo "== $$cfg ratio $$r $$extra"; mkdir -p $$run && cp $(3)/calibration/calibration.safetensors $$run/ && \
+  echo "== $$cfg ratio $$r $$extra"; mkdir -p $$run && rm -rf $$run/calibration && cp -r $(3)/calibration/calibration $$run/ && \
   $(WS) run $$cfg --set compress.0.ratio=$$r $$extra -o $$run -q || exit 1; \
 done; done
 $(WS) report $(3) --out $(4)

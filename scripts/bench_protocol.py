@@ -116,7 +116,7 @@ def main() -> None:
     recipe = load_recipe(CONFIG, [f"output.dir={out}"])
 
     stats = out / "reports" / "calibrate.json"
-    if not (out / "calibration.safetensors").is_file():
+    if not (out / "calibration" / "stats.json").is_file():
         subprocess.run([sys.executable, "-m", "wscompress.cli", "calibrate", str(CONFIG), "-o", str(out), "-q"],
                        check=True, cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     calib = json.loads(stats.read_text())

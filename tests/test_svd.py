@@ -181,14 +181,16 @@ def test_refit_ridge_pulls_toward_the_prior():
     assert (mid - prior).norm() < (free - prior).norm()
 
 
-def test_blocked_gram_equals_the_full_product():
+@pytest.mark.parametrize("width", [24, 1100])
+def test_gram_by_symmetric_update_equals_the_full_product(width):
     from wscompress.linalg import gram
 
-    x = torch.randn(300, 1100, dtype=torch.float32)
+    x = torch.randn(300, width, dtype=torch.float32)
     ref = x.double().T @ x.double()
     g = gram(x)
     assert g.dtype == torch.float64 and torch.equal(g, g.T)
     torch.testing.assert_close(g, ref, rtol=1e-12, atol=1e-9)
+    torch.testing.assert_close(gram(x[:, ::2]), x[:, ::2].double().T @ x[:, ::2].double())  # a strided view
 
 
 def test_factors_are_balanced():

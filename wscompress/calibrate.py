@@ -190,13 +190,14 @@ class GramHook:
             self._seen.pop(self._last.get(name), None)  # the previous batch's input is done with
             self._seen[key], self._last[name] = (name, x), key
             self.owner.setdefault(name, name)
-            g = linalg.gram(x.reshape(-1, x.shape[-1]))
-            self.grams[name] = self.grams[name] + g if name in self.grams else g
+            self.grams[name] = linalg.add_gram(self.grams.get(name), x.reshape(-1, x.shape[-1]))  # lower triangle
         return hook
 
-    def close(self) -> None:
+    def close(self) -> dict[str, torch.Tensor]:
+        """Stop observing; returns the Gram matrices (canonical name -> XᵀX)."""
         self._stack.close()
         self._seen.clear()
+        return {k: linalg.symmetrize(v) for k, v in self.grams.items()}
 
 
 @torch.no_grad()
@@ -218,8 +219,7 @@ def collect_grams(model: nn.Module, batches: list[torch.Tensor], names: list[str
     done: set[str] = set()
 
     def harvest(i: int) -> None:
-        hook.close()
-        grams = {k: reduced(v) for k, v in sorted(hook.grams.items())}  # the same order on every rank
+        grams = {k: reduced(v) for k, v in sorted(hook.close().items())}  # the same order on every rank
         if rank == 0:
             writer.layer(i, grams, hook.owner)
         done.update(hook.owner)

@@ -55,7 +55,7 @@ def _do(quiet: bool, fn: Callable[[], object], processes: bool = False) -> None:
 
 @app.command()
 def calibrate(recipe: Path = RecipeArg, set: Optional[List[str]] = SetOpt, output: Optional[Path] = OutOpt, quiet: bool = QuietOpt):
-    """Collect input statistics (Gram matrices, layer by layer) into <output>/calibration.safetensors."""
+    """Collect input statistics (Gram matrices, layer by layer) into <output>/calibration/ (one file a layer)."""
     from .workflow import step_calibrate
 
     _do(quiet, lambda: step_calibrate(_recipe(recipe, set, output)), processes=True)

@@ -25,7 +25,7 @@ from torch import nn
 
 from .arch import Arch, get_module, replace_everywhere, weight_of
 from .calibrate import layerwise, run_layer
-from .linalg import gram, refit_coefficients
+from .linalg import add_gram, refit_coefficients, symmetrize
 from .offload import offload_of
 
 
@@ -57,13 +57,14 @@ class FirstInput:
             if self._batches == 1:
                 self.names.append(name)
             if name == self.names[0]:
-                g = gram(x.reshape(-1, x.shape[-1]))
-                self.gram = g if self.gram is None else self.gram + g
+                self.gram = add_gram(self.gram, x.reshape(-1, x.shape[-1]))  # lower triangle; see close()
         return hook
 
     def close(self) -> None:
         self._stack.close()
         self._x = None
+        if self.gram is not None:
+            symmetrize(self.gram)
 
 
 @torch.no_grad()

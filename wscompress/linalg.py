@@ -28,14 +28,31 @@ def rank_for_ratio(d_in: int, d_out: int, ratio: float, n: int = 1) -> int:
 
 
 def gram(x: torch.Tensor) -> torch.Tensor:
-    """XᵀX (float64) of x (tokens, d). On the CPU the BLAS's symmetric rank-k update computes
-    one triangle (half the work of the full product, which torch has no call for) and it is
-    mirrored; on other devices, the full product."""
+    """XᵀX (float64) of x (tokens, d)."""
+    return symmetrize(add_gram(None, x))
+
+
+def add_gram(acc: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    """``acc`` (d, d) float64, or a new zero one, plus the lower triangle of XᵀX, in place:
+    on the CPU by the BLAS's symmetric rank-k update (half the work of the full product, and no
+    temporary d×d matrix), elsewhere by the full product. ``symmetrize`` completes the sum."""
     x = x.double()
+    if acc is None:
+        acc = x.new_zeros(x.shape[1], x.shape[1])
     if x.device.type != "cpu":
-        return x.T @ x
-    upper = torch.from_numpy(dsyrk(1.0, x.detach().numpy().T))  # (xᵀ)(xᵀ)ᵀ; xᵀ is Fortran-ordered: no copy
-    return upper.triu() + upper.triu(1).T
+        return acc.add_(x.T @ x)
+    # acc's transpose, as numpy sees it, is Fortran-ordered: dsyrk updates its upper (= acc's lower) triangle in place
+    dsyrk(1.0, x.detach().numpy().T, beta=1.0, c=acc.numpy().T, overwrite_c=1)
+    return acc
+
+
+def symmetrize(acc: torch.Tensor, block: int = 1024) -> torch.Tensor:
+    """Copy the lower triangle of ``acc`` onto its upper one, in place, a block at a time."""
+    for a in range(0, acc.shape[0], block):
+        b = min(a + block, acc.shape[0])
+        acc[a:b, b:] = acc[b:, a:b].T
+        acc[a:b, a:b] = acc[a:b, a:b].tril() + acc[a:b, a:b].tril(-1).T
+    return acc
 
 
 def whitening(gram: torch.Tensor) -> tuple[torch.Tensor, str]:
