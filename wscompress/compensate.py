@@ -24,45 +24,54 @@ import torch
 from torch import nn
 
 from .arch import Arch, get_module, replace_everywhere, weight_of
-from .calibrate import layerwise, run_layer
+from .calibrate import LayerInputs, layerwise
 from .linalg import add_gram, refit_coefficients, symmetrize
 from .offload import offload_of
 
 
+class _Seen(Exception):
+    """Raised to end a layer's forward once the input being recorded has been read."""
+
+
 class FirstInput:
     """While a layer runs over the calibration batches: which of ``modules`` read the first
-    input any of them reads (in forward order), and that input's Gram matrix X'ᵀX' (float64)."""
+    input any of them reads (in forward order), and that input's Gram matrix X'ᵀX' (float64).
+    Each batch's forward ends where one of ``modules`` reads another input: what comes after
+    is not needed for this input (the refit of a layer's first modules costs almost no compute)."""
 
     def __init__(self, layer: nn.Module, modules: dict[str, nn.Module]):
         self.names: list[str] = []
         self.gram: torch.Tensor | None = None
         self._x: torch.Tensor | None = None  # held, so no later tensor can reuse its address
-        self._batches = 0
         self._stack = ExitStack()
-        self._stack.callback(layer.register_forward_pre_hook(self._new_batch).remove)
         for name, module in modules.items():
-            self._stack.callback(module.register_forward_hook(self._hook(name)).remove)
-
-    def _new_batch(self, *_args) -> None:
-        self._x = None
-        self._batches += 1
+            self._stack.callback(module.register_forward_pre_hook(self._hook(name)).remove)
 
     def _hook(self, name: str):
-        def hook(_module, args, _out):
+        def hook(_module, args):
             x = args[0]
             if self._x is None:
                 self._x = x
             if x.data_ptr() != self._x.data_ptr():
-                return
-            if self._batches == 1:
+                raise _Seen
+            if name not in self.names:
                 self.names.append(name)
             if name == self.names[0]:
-                self.gram = add_gram(self.gram, x.reshape(-1, x.shape[-1]))  # lower triangle; see close()
+                self.gram = add_gram(self.gram, x.reshape(-1, x.shape[-1]))  # lower triangle; see run()
         return hook
 
-    def close(self) -> None:
-        self._stack.close()
-        self._x = None
+    def run(self, layer: nn.Module, inputs: LayerInputs) -> None:
+        """Run the layer on every batch (each as far as needed) and stop observing."""
+        try:
+            for hidden, (args, kwargs) in zip(inputs.hidden, inputs.calls):
+                self._x = None
+                try:
+                    layer(hidden, *args, **kwargs)
+                except _Seen:
+                    pass
+        finally:
+            self._stack.close()
+            self._x = None
         if self.gram is not None:
             symmetrize(self.gram)
 
@@ -85,10 +94,7 @@ def refit_pass(model: nn.Module, arch: Arch, batches: list[torch.Tensor], build:
         pending = dict(new)
         while pending:
             first = FirstInput(layer, pending)
-            try:
-                run_layer(layer, inputs)
-            finally:
-                first.close()
+            first.run(layer, inputs)
             for n in first.names:
                 c0 = pending.pop(n).coeff.weight
                 c0.copy_(refit_coefficients(weights[n], new[n].basis.weight, first.gram, ridge=ridge, prior=c0))

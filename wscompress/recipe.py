@@ -140,7 +140,7 @@ class BenchConfig(Strict):
 
 class OutputConfig(Strict):
     dir: str = "outputs/run"
-    max_shard_size: ByteSize = Field(ByteSize(2**30), gt=0, description="largest weights file (e.g. 1GB, 500MB): the "
+    max_shard_size: ByteSize = Field(ByteSize(10**9), gt=0, description="largest weights file (e.g. 1GB, 500MB): the "
                                      "model is written shard by shard, never held whole")
 
 

@@ -36,7 +36,8 @@ def _load() -> tuple[ModuleType | None, str]:
                       extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
     except Exception as err:  # noqa: BLE001 - any build or load failure means: use the torch path
         return None, f"not built ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
-    return module, f"lut.cpp ({'AVX-512' if 'avx512f' in _cpu_flags() else 'scalar'})"
+    flags = _cpu_flags()
+    return module, f"lut.cpp ({'AVX-512' if 'avx512f' in flags else 'AVX2' if 'avx2' in flags else 'scalar'})"
 
 
 def _cpu_flags() -> str:

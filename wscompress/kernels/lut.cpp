@@ -3,11 +3,14 @@
 // Weight row r reads codebook r / group_size (a table of up to 16 floats for nibble indices,
 // up to 256 for byte indices). The weight is never materialised for small batches: each block
 // of 16 indices becomes 16 weights in one register (AVX-512 permute for nibbles, gather for
-// bytes) and is multiplied into up to 8 input rows at once. For long inputs (prefill) the caller
+// bytes; on AVX2, 8 at a time with two permutes and a blend) and is multiplied into up to 8
+// input rows at once. For long inputs (prefill) the caller
 // decodes the dense weight with lut_dense, one layer at a time, and uses the BLAS.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+
+#include <cstring>
 
 namespace {
 
@@ -29,6 +32,29 @@ inline __m512 decode16(const uint8_t* row, int64_t j, const float* table, __m512
     __m128i idx = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + j));
     return _mm512_i32gather_ps(_mm512_cvtepu8_epi32(idx), table, 4);
   }
+}
+#elif defined(__AVX2__)
+// 8 weights a step: two 8-entry permutes cover a 16-entry table, bit 3 of the index picks the half
+template <int W>
+inline __m256 decode8(const uint8_t* row, int64_t j, const float* table, __m256 lo, __m256 hi) {
+  if constexpr (W == 4) {
+    uint32_t packed;
+    std::memcpy(&packed, row + (j >> 1), 4);
+    __m128i b = _mm_cvtsi32_si128(static_cast<int>(packed));
+    __m128i mask = _mm_set1_epi8(0x0F);
+    __m256i idx = _mm256_cvtepu8_epi32(_mm_unpacklo_epi8(_mm_and_si128(b, mask), _mm_and_si128(_mm_srli_epi16(b, 4), mask)));
+    __m256 from_lo = _mm256_permutevar8x32_ps(lo, idx), from_hi = _mm256_permutevar8x32_ps(hi, idx);
+    return _mm256_blendv_ps(from_lo, from_hi, _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
+  } else {
+    __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + j)));
+    return _mm256_i32gather_ps(table, idx, 4);
+  }
+}
+
+inline float sum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
 }
 #endif
 
@@ -65,6 +91,24 @@ void gemv_rows(const float* x, const uint8_t* idx, const float* tables, int64_t 
     }
     for (int i = 0; i < R; ++i)
       for (int m = 0; m < M; ++m) sums[i][m] = _mm512_reduce_add_ps(acc[i][m]);
+#elif defined(__AVX2__)
+    __m256 lo[R], hi[R];
+    __m256 acc[R][M];
+    for (int i = 0; i < R; ++i) {
+      lo[i] = W == 4 ? _mm256_loadu_ps(table[i]) : _mm256_setzero_ps();
+      hi[i] = W == 4 ? _mm256_loadu_ps(table[i] + 8) : _mm256_setzero_ps();
+      for (int m = 0; m < M; ++m) acc[i][m] = _mm256_setzero_ps();
+    }
+    for (; j + 8 <= in; j += 8) {
+      __m256 xs[M];
+      for (int m = 0; m < M; ++m) xs[m] = _mm256_loadu_ps(x + m * in + j);
+      for (int i = 0; i < R; ++i) {
+        __m256 w = decode8<W>(row[i], j, table[i], lo[i], hi[i]);
+        for (int m = 0; m < M; ++m) acc[i][m] = _mm256_fmadd_ps(w, xs[m], acc[i][m]);
+      }
+    }
+    for (int i = 0; i < R; ++i)
+      for (int m = 0; m < M; ++m) sums[i][m] = sum8(acc[i][m]);
 #else
     for (int i = 0; i < R; ++i)
       for (int m = 0; m < M; ++m) sums[i][m] = 0.f;
@@ -94,6 +138,10 @@ void decode_rows(const uint8_t* idx, const float* tables, int64_t k, int64_t gro
 #ifdef __AVX512F__
     __m512 t16 = W == 4 ? _mm512_loadu_ps(table) : _mm512_setzero_ps();
     for (; j + 16 <= in; j += 16) _mm512_storeu_ps(out + j, decode16<W>(row, j, table, t16));
+#elif defined(__AVX2__)
+    __m256 lo = W == 4 ? _mm256_loadu_ps(table) : _mm256_setzero_ps();
+    __m256 hi = W == 4 ? _mm256_loadu_ps(table + 8) : _mm256_setzero_ps();
+    for (; j + 8 <= in; j += 8) _mm256_storeu_ps(out + j, decode8<W>(row, j, table, lo, hi));
 #endif
     for (; j < in; ++j) out[j] = table[index_at<W>(row, j)];
   }
