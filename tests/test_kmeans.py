@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import REPO, tiny_model
+from safetensors import safe_open
 
 import wscompress
 from wscompress import storage
@@ -240,6 +241,35 @@ def test_gpt2_conv1d_and_untied_lm_head(tokenizer, tmp_path):
         assert report["max_rel_error"] < 0.05
 
 
+@pytest.mark.parametrize("outliers", [0.0, 0.01])
+def test_tied_embedding_and_head_are_one_palettized_table(tokenizer, tmp_path, outliers):
+    """Targeting the head of a tied pair palettizes the matrix once: the LM head is the table
+    module (LUT matmul) and the embedding looks up rows in it; saved once, tied after loading,
+    and a dense export gives stock transformers the same model."""
+    from transformers import AutoModelForCausalLM
+
+    from wscompress.methods.kmeans import PalettizedEmbedding
+
+    model = tiny_model("llama")  # tied
+    stage = {"method": "kmeans", "bits": 4, "targets": ["lm_head", r"layers\.0\.mlp"], "outliers": outliers}
+    wscompress.compress(model, [stage], tokenizer, CALIB)
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    assert isinstance(emb, PalettizedEmbedding) and emb.table is head and isinstance(head, PalettizedLinear)
+    ids = torch.randint(0, 512, (2, 7))
+    assert torch.equal(emb(ids), head.dense_weight()[ids])  # the row lookup decodes exactly the table's rows
+    x = torch.randint(0, 512, (2, 16))
+    saved = storage.save(model, tokenizer, tmp_path / "m")
+    with safe_open(str(tmp_path / "m" / storage.WEIGHTS), "pt") as f:
+        assert not any(k.startswith("lm_head") for k in f.keys())  # stored under the embedding's name only
+    assert 180_800 - saved["params"] >= 512 * 64 - 512 * 16  # the 512 x 64 table became 512 codebooks of 16
+    loaded, _ = storage.load(tmp_path / "m")
+    assert loaded.get_input_embeddings().table is loaded.get_output_embeddings()
+    torch.testing.assert_close(_outputs(loaded, x), _outputs(model, x), rtol=0, atol=1e-6)
+    storage.export_dense(loaded, tokenizer, tmp_path / "dense")
+    stock = AutoModelForCausalLM.from_pretrained(tmp_path / "dense")
+    torch.testing.assert_close(_outputs(stock, x), _outputs(model, x), rtol=1e-5, atol=1e-5)
+
+
 def test_finetune_method_mode_trains_the_centroids():
     model = tiny_model("llama")
     wscompress.compress(model, [{"method": "kmeans", "bits": 2, **FAST}])
@@ -259,7 +289,7 @@ def test_bad_options_rejected_up_front(stage, where):
 @pytest.mark.parametrize("stage,match", [
     ({"cluster_dim": 5}, "cluster_dim=5 does not divide"),
     ({"granularity": "grouped", "group_size": 48}, "group_size=48 does not divide"),
-    ({"targets": ["lm_head"]}, "tied"),
+    ({"targets": ["lm_head"], "bits": 3, "cluster_dim": 16}, "whole bytes"),
 ])
 def test_bad_shapes_refused_before_anything_changes(stage, match):
     model = tiny_model("llama")

@@ -181,6 +181,22 @@ class PalettizedLinear(CompressedLinear):
         """Cluster indices as an (out, in / cluster_dim) int64 tensor."""
         return unpack(self.indices, self.bits, self.num_indices).view(self.out_features, -1)
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` (any shape) of the dense weight, decoding only those rows (an embedding
+        lookup in a palettized table): (*ids.shape, in_features)."""
+        uniq, where = torch.unique(ids.reshape(-1), return_inverse=True)
+        cols = self.in_features // self.cluster_dim
+        packed = self.indices.view(self.out_features, -1)[uniq]  # a row's indices fill whole bytes (cols % 8 == 0)
+        idx = unpack(packed.reshape(-1), self.bits, len(uniq) * cols).view(len(uniq), cols)
+        w = self.codebook[uniq // self.group_size].gather(1, idx[..., None].expand(-1, -1, self.cluster_dim)).flatten(1)
+        if self.outliers:  # the weights kept aside in these rows
+            pos = self.outlier_index.long()
+            row, col = pos // self.in_features, pos % self.in_features
+            at = torch.searchsorted(uniq, row).clamp_max(len(uniq) - 1)
+            hit = uniq[at] == row
+            w[at[hit], col[hit]] = self.outlier_value[hit].to(w.dtype)
+        return w[where].view(*ids.shape, self.in_features)
+
     def dense_weight(self) -> torch.Tensor:
         w = dequantize(self.codebook, self.index_matrix(), self.group_size)
         if not self.outliers:
@@ -243,6 +259,45 @@ class PalettizedLinear(CompressedLinear):
                 "outliers": self.outliers}
 
 
+@register_module
+class PalettizedEmbedding(nn.Module):
+    """An embedding whose (vocab, hidden) table is a ``PalettizedLinear`` (``table``): a lookup
+    decodes only the rows it reads. With tied embeddings the LM head *is* that table module,
+    so the matrix is stored once and the head's matmul runs the LUT kernel."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None, scale: float = 1.0):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim, self.padding_idx, self.scale = num_embeddings, embedding_dim, padding_idx, scale
+        self.register_module("table", None)  # set by ``around`` or, on loading, by the manifest
+
+    @classmethod
+    def around(cls, table: PalettizedLinear, embedding: nn.Embedding) -> PalettizedEmbedding:
+        new = cls(table.out_features, table.in_features, embedding.padding_idx, float(getattr(embedding, "embed_scale", 1.0)))
+        new.table = table
+        return new
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out = self.table.rows(ids)
+        return out if self.scale == 1.0 else out * self.scale  # e.g. Gemma's sqrt(H) embedding scale
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dense table, for code that reads ``get_input_embeddings().weight`` (dtype, device, values)."""
+        return self.table.dense_weight()
+
+    def spec(self) -> dict:
+        return {"num_embeddings": self.num_embeddings, "embedding_dim": self.embedding_dim,
+                "padding_idx": self.padding_idx, "scale": self.scale}
+
+    def to_dense(self) -> nn.Embedding:
+        w = self.table.dense_weight().detach()
+        emb = nn.Embedding(self.num_embeddings, self.embedding_dim, padding_idx=self.padding_idx, device=w.device,
+                           dtype=w.dtype)
+        with torch.no_grad():
+            emb.weight.copy_(w)
+        return emb
+
+
 # ----------------------------------------------------------------------------- the stage
 
 def default_targets(model: nn.Module) -> list[str]:
@@ -270,15 +325,15 @@ def check_layer(name: str, out_features: int, in_features: int, cfg) -> None:
 
 
 def target_layers(model: nn.Module, cfg: StageConfig) -> dict[str, nn.Module]:
-    """Matched dense linears, refusing an lm_head tied to the input embeddings."""
+    """Matched dense linears (a module shared by layers once)."""
     layers = match_modules(model, cfg.targets or default_targets(model), cfg.ignore, kind=LINEAR_TYPES)
-    layers = {n: layers[n] for n in distinct(model, list(layers))}  # a module shared by layers: once
+    return {n: layers[n] for n in distinct(model, list(layers))}
+
+
+def tied_to_embeddings(model: nn.Module, module: nn.Module) -> nn.Embedding | None:
+    """The input embedding whose weight ``module`` (the LM head) shares, if it does."""
     emb = model.get_input_embeddings()
-    for name, module in layers.items():
-        if emb is not None and module.weight is emb.weight:
-            raise UsageError(f"{name} shares its weight with the input embeddings (tied)",
-                             f"add {name!r} to ignore: palettizing one side of a tied pair would store the matrix twice")
-    return layers
+    return emb if isinstance(emb, nn.Embedding) and getattr(module, "weight", None) is emb.weight else None
 
 
 def layer_report(name: str, weight: torch.Tensor, layer: PalettizedLinear) -> dict:
@@ -349,6 +404,10 @@ def apply(model: nn.Module, cfg: KMeansConfig, ctx) -> dict:
     layers = target_layers(model, cfg)
     for name, module in layers.items():
         check_layer(name, *reversed(dims_of(module)), cfg)
+        if tied_to_embeddings(model, module) is not None and cfg.bits != 8 and dims_of(module)[0] // cfg.cluster_dim % 8:
+            raise UsageError(f"{name} is tied to the input embeddings, whose lookups decode whole rows: a row's "
+                             f"{dims_of(module)[0] // cfg.cluster_dim} indices of {cfg.bits} bits do not fill whole bytes",
+                             "use bits: 8, a cluster_dim leaving a multiple of 8 indices a row, or ignore it")
     grams: Mapping[str, torch.Tensor] = {}
     inside = arch.layers_path + "."
     if cfg.needs_statistics:  # calibration covers the decoder layers: a module used by several, on all its uses
@@ -367,7 +426,10 @@ def apply(model: nn.Module, cfg: KMeansConfig, ctx) -> dict:
                 module = layers[name]
                 layer = palettize(module, cfg, grams.get(name))
                 rows.append(layer_report(name, weight_of(module), layer))
+                emb = tied_to_embeddings(model, module)
                 replace_everywhere(model, module, layer)
+                if emb is not None:  # a tied head: the embedding reads the same palettized table, stored once
+                    replace_everywhere(model, emb, PalettizedEmbedding.around(layer, emb))
     without = [n for n in layers if cfg.needs_statistics and n not in grams]
     return {**summarize(rows, cfg.bits), "cluster_seconds": round(time.perf_counter() - start, 2),
             "sensitivity": cfg.sensitivity, "error_feedback": cfg.error_feedback, "outliers": cfg.outliers,
