@@ -91,3 +91,29 @@ def test_method_mode_trains_only_the_compressed_layers(tmp_path, tokenizer):
 def test_method_mode_needs_compressed_layers(tmp_path, tokenizer):
     with pytest.raises(UsageError, match="no compressed layers"):
         finetune(tiny_model("llama"), tokenizer, recipe(tmp_path, mode="method"))
+
+
+@pytest.mark.parametrize("stage,trained_part", [
+    ({"method": "cross_layer", "what": "ffn", "group_size": 2, "init": "mean"}, ".mlp."),
+    ({"method": "merge_drop", "n": 2, "start": 1}, "model.layers.1."),
+    ({"method": "gqa", "groups": 1}, ("k_proj", "v_proj")),
+    ({"method": "factorize_embeddings", "rank": 16}, "embed_tokens"),
+])
+def test_method_mode_trains_what_a_structural_stage_made(stage, trained_part, tmp_path, tokenizer):
+    """Shared, merged, pooled and factorised modules are the method's own parameters: recorded
+    in the saved model, they are what `mode: method` trains, and nothing else moves."""
+    from wscompress import storage
+    from wscompress.finetune import method_parameters
+
+    model = tiny_model("llama")
+    compress(model, [stage], tokenizer, {"dataset": "pydoc", "num_samples": 4, "seq_len": 32, "batch_size": 2})
+    storage.save(model, tokenizer, tmp_path / "m")
+    model, _ = storage.load(tmp_path / "m")
+    chosen = {id(p) for p in method_parameters(model)}
+    names = {n for n, p in model.named_parameters() if id(p) in chosen}
+    assert names and all(any(part in n for part in ([trained_part] if isinstance(trained_part, str) else trained_part))
+                         for n in names)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trained, _ = finetune(model, tokenizer, recipe(tmp_path, mode="method", steps=2))
+    after = dict(trained.named_parameters())
+    assert {n for n in before if not torch.equal(before[n], after[n])} == names

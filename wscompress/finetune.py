@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from . import data, distributed, ui
+from . import data, distributed, storage, ui
 from .arch import match_modules
 from .errors import UsageError
 from .evaluate.perplexity import evaluate_text
@@ -47,11 +47,16 @@ def _run_config(cfg: FinetuneConfig) -> dict:
 
 
 def method_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """What ``mode: method`` trains: each compressed layer's ``trainable_parameters()`` (all its
+    parameters by default) and the parameters of the modules structural stages marked
+    (``storage.mark_trainable``: shared, merged, pooled modules, factorised embeddings)."""
     params: dict[int, nn.Parameter] = {}
     for module in model.modules():
         if isinstance(module, CompressedLinear) or hasattr(module, "trainable_parameters"):
             getter = getattr(module, "trainable_parameters", module.parameters)
             params.update((id(p), p) for p in getter())
+    for module in storage.trainable_modules(model):
+        params.update((id(p), p) for p in module.parameters())
     return list(params.values())
 
 
@@ -98,7 +103,7 @@ def prepare(model: nn.Module, cfg: FinetuneConfig) -> tuple[nn.Module, list[nn.P
     elif cfg.mode == "method":
         params = method_parameters(model)
         if not params:
-            raise UsageError("finetune.mode 'method': the model has no compressed layers with parameters to train",
+            raise UsageError("finetune.mode 'method': the model has no compressed layers or shared modules to train",
                              "use mode: full or lora, or compress the model first")
     elif cfg.mode == "lora":
         from peft import LoraConfig, get_peft_model

@@ -125,12 +125,26 @@ def resident_bytes(model: nn.Module) -> int:
     return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if not t.is_meta}.values())
 
 
+def mark_trainable(model: nn.Module, names: list[str]) -> None:
+    """Record modules whose parameters recovery trains in ``finetune.mode: method`` (the modules a
+    structural stage made: shared, merged or pooled ones; compressed layers say so themselves).
+    Saved in the manifest and restored on loading."""
+    known = model.__dict__.setdefault("wscompress_trains", [])
+    known.extend(n for n in names if n not in known)
+
+
+def trainable_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules ``mark_trainable`` recorded that the model still has."""
+    names = dict(model.named_modules())
+    return [names[n] for n in model.__dict__.get("wscompress_trains", []) if n in names]
+
+
 def structure(model: nn.Module) -> dict:
     modules, aliases = {}, _module_aliases(model)
     for name, module in model.named_modules():
         if type(module).__name__ in MODULE_TYPES and name not in aliases:
             modules[name] = {"type": type(module).__name__, "spec": module.spec()}
-    return {"modules": modules, "module_aliases": aliases}
+    return {"modules": modules, "module_aliases": aliases, "trains": model.__dict__.get("wscompress_trains", [])}
 
 
 def _exchange(a: Path, b: Path) -> bool:
@@ -258,6 +272,7 @@ def load(path: str | Path, dtype: torch.dtype | None = None) -> tuple[nn.Module,
             set_module(model, name, cls(**entry["spec"]))
     for alias, canonical in manifest["module_aliases"].items():
         set_module(model, alias, get_module(model, canonical))
+    mark_trainable(model, manifest.get("trains", []))
     missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
     aliases = manifest["tensor_aliases"]
     if unexpected or set(missing) - set(aliases):

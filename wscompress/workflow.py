@@ -121,6 +121,7 @@ def apply_stages(model: nn.Module, tokenizer, recipe: Recipe, workdir: str | Pat
         before = storage.stats(model)["params"]
         start = time.perf_counter()
         result = METHODS[stage.method].apply(model, stage, ctx) or {}
+        storage.mark_trainable(model, result.get("trains", []))
         ctx.stages_done += 1
         rows.append({"stage": i, "method": stage.method, "params_before": before,
                      "params_after": storage.stats(model)["params"], "seconds": round(time.perf_counter() - start, 2),

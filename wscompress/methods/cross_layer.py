@@ -82,4 +82,5 @@ def apply(model, cfg: CrossLayerConfig, ctx) -> dict:
         errors = group_errors(model, arch, groups, cfg.what, ctx.calibration())
         sources = [g[min(range(len(g)), key=lambda k: sum(errors[i][k] for i in g))] for g in groups]
     saved = sum(share_group(arch, g, cfg.what, s) for g, s in zip(groups, sources))
-    return {"what": cfg.what, "groups": groups, "sources": sources, "params_saved": saved}
+    return {"what": cfg.what, "groups": groups, "sources": sources, "params_saved": saved,
+            "trains": [n for g in groups for n in part_leaves(arch, g[0], cfg.what)]}  # the shared modules

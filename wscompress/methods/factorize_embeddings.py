@@ -121,4 +121,4 @@ def apply(model, cfg: FactorizeEmbeddingsConfig, ctx) -> dict:
         set_module(model, head_name, FactorizedLMHead.tied_to(new, head.bias))
     energy = float(s[:e].pow(2).sum() / s.pow(2).sum())
     return {"rank": e, "tied_head": tied, "params_saved": vocab * hidden - e * (vocab + hidden),
-            "energy_kept": round(energy, 4)}
+            "energy_kept": round(energy, 4), "trains": [arch.embedding_name]}

@@ -53,7 +53,8 @@ def apply(model, cfg: GQAConfig, ctx) -> dict:
     for i, roles in enumerate(projections):
         if "k" not in roles or "v" not in roles:
             raise UsageError(f"gqa: layer {i} has no separate k/v projections", "gqa needs k_proj and v_proj modules")
-    for name in distinct(model, [roles[r] for roles in projections for r in ("k", "v")]):
+    pooled = distinct(model, [roles[r] for roles in projections for r in ("k", "v")])
+    for name in pooled:
         module = get_module(model, name)  # shared across layers (cross_layer): pooled once, stays shared
         replace_everywhere(model, module, pool_heads(module, kv, cfg.groups))
     for i in range(arch.num_layers):
@@ -63,4 +64,5 @@ def apply(model, cfg: GQAConfig, ctx) -> dict:
         if hasattr(attn, "num_key_value_heads"):
             attn.num_key_value_heads = cfg.groups
     model.config.num_key_value_heads = cfg.groups
-    return {"kv_heads_before": kv, "kv_heads_after": cfg.groups, "query_heads": heads}
+    return {"kv_heads_before": kv, "kv_heads_after": cfg.groups, "query_heads": heads,
+            "trains": pooled}  # the pooled k/v projections (Ainslie et al. uptrain after pooling)

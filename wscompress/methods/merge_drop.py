@@ -60,4 +60,5 @@ def apply(model, cfg: MergeDropConfig, ctx) -> dict:
     dropped = {i for w in windows for i in w[1:]}
     keep = [i for i in range(arch.num_layers) if i not in dropped]
     drop_layers(model, keep)
-    return {"windows": windows, "layers_before": len(keep) + len(dropped), "layers_after": len(keep)}
+    return {"windows": windows, "layers_before": len(keep) + len(dropped), "layers_after": len(keep),
+            "trains": [arch.layer_name(keep.index(w[0])) for w in windows]}  # the merged layers
