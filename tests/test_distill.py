@@ -32,9 +32,9 @@ def held_out(tokenizer) -> torch.Tensor:
 
 def test_loss_is_zero_when_the_student_is_the_teacher():
     teacher = tiny_model("llama")
-    loss = distill_loss(teacher, DistillConfig(kl=1.0, temperature=2.0, hidden=1.0))(tiny_model("llama"), IDS)
+    loss = distill_loss(teacher, DistillConfig(kl=1.0, temperature=2.0, hidden=1.0))(tiny_model("llama"), IDS, 0)
     assert abs(loss.item()) < 1e-6
-    assert distill_loss(teacher, DistillConfig(kl=1.0))(svd_model(), IDS).item() > 1e-4  # a compressed student differs
+    assert distill_loss(teacher, DistillConfig(kl=1.0))(svd_model(), IDS, 0).item() > 1e-4  # a compressed student differs
 
 
 def test_distillation_lowers_the_kd_loss_and_raises_agreement(tmp_path, tokenizer):
@@ -43,12 +43,12 @@ def test_distillation_lowers_the_kd_loss_and_raises_agreement(tmp_path, tokenize
     teacher, student = tiny_model("llama"), tiny_model("llama")
     compress(student, [{"method": "svd", "ratio": 0.7, "whitening": False}])
     ids, kl = held_out(tokenizer), distill_loss(teacher, DistillConfig(kl=1.0))
-    before = (kl(student, ids).item(), agreement(student, teacher, ids))
+    before = (kl(student, ids, 0).item(), agreement(student, teacher, ids))
     kd = {"kl": 1.0, "temperature": 2.0, "hidden": 0.5}
     student, out = finetune(student, tokenizer, recipe(tmp_path, mode="method", steps=16, distill=kd), teacher=teacher)
     assert out["distill"]["hidden"] == 0.5
     with torch.no_grad():
-        assert kl(student, ids).item() < 0.7 * before[0]
+        assert kl(student, ids, 0).item() < 0.7 * before[0]
     assert agreement(student, teacher, ids) > before[1]
 
 
@@ -89,3 +89,28 @@ def test_layerwise_distillation_lowers_every_layers_error(tmp_path, tokenizer):
     assert [r["layer"] for r in rows] == [0, 1, 2, 3] and all(r["trained"] > 0 for r in rows)
     assert all(r["rel_error_after"] < 0.9 * r["rel_error_before"] for r in rows), rows
     assert len(out["history"]) == 2
+
+
+def test_cached_top_k_teacher(tmp_path, tokenizer, tiny_dir, monkeypatch):
+    """The KL on the teacher's cached top-k equals the full KL when k covers the vocabulary; a
+    second run on the same batches reads the cache, never loads the teacher, and ends alike."""
+    from wscompress import distill
+    from wscompress.recipe import load_recipe
+
+    teacher, student = tiny_model("llama"), svd_model()
+    cache = distill.TeacherCache(tmp_path / "cache", {"test": 1}, k=512)
+    full = distill_loss(teacher, DistillConfig(kl=1.0, temperature=2.0))(student, IDS, 0)
+    cached = distill_loss(teacher, DistillConfig(kl=1.0, temperature=2.0, cache_topk=512), cache)
+    assert cached(student, IDS, 0).item() == pytest.approx(full.item(), rel=1e-4)  # fills the cache
+    assert cached(student, IDS, 0).item() == pytest.approx(full.item(), rel=1e-4)  # reads it
+    teacher_dir = tiny_dir("llama")
+    runs = {}
+    for run in ("first", "second"):
+        r = recipe(tmp_path / "out", mode="method", steps=4, distill={"kl": 1.0, "cache_topk": 32})
+        r = load_recipe(data={**r.model_dump(exclude={"compress", "source"}), "model": {"path": str(teacher_dir)}})
+        _, runs[run] = finetune(svd_model(), tokenizer, r)
+        monkeypatch.setattr(distill, "load_teacher", lambda *a: pytest.fail("the teacher was loaded"))
+    assert len(list((tmp_path / "out" / "teacher-cache").glob("*/batch-*"))) == 4
+    assert runs["second"]["final_loss"] == pytest.approx(runs["first"]["final_loss"], rel=1e-6)
+    with pytest.raises(UsageError, match="hidden"):
+        load_recipe(data={"finetune": {"distill": {"cache_topk": 8, "hidden": 1.0}}})

@@ -15,14 +15,18 @@ layer whose error on its inputs training did not lower keeps its parameters.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import hashlib
+import json
+from collections.abc import Callable, Iterable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from safetensors.torch import load_file, save_file
 from torch.utils._pytree import tree_map
 
-from . import ui
+from . import distributed, ui
 from .arch import discover
 from .calibrate import LayerInputs, run_layer
 from .calibrate import layerwise as layer_by_layer
@@ -30,7 +34,7 @@ from .errors import UsageError
 from .model import load_model, model_device
 from .recipe import DistillConfig, ModelConfig
 
-Loss = Callable[[nn.Module, torch.Tensor], torch.Tensor]
+Loss = Callable[[nn.Module, torch.Tensor, int], torch.Tensor]  # (student, token ids, batch number) -> loss
 
 
 def check_pair(teacher: nn.Module, teacher_tok, student: nn.Module, student_tok) -> None:
@@ -41,22 +45,32 @@ def check_pair(teacher: nn.Module, teacher_tok, student: nn.Module, student_tok)
                          "token for token", "distil from the checkpoint the student was compressed from (the recipe's model)")
 
 
-def distill_loss(teacher: nn.Module, cfg: DistillConfig) -> Loss:
-    """loss(student, token ids) of the module docstring."""
+def distill_loss(teacher: nn.Module | None, cfg: DistillConfig, cache: TeacherCache | None = None) -> Loss:
+    """loss(student, token ids, batch number) of the module docstring. With ``cache`` the KL
+    runs on the teacher's top-k log-probabilities, read from the cache (the teacher runs, and
+    fills it, only for batches it does not hold yet)."""
     hidden = cfg.hidden > 0
-    device = model_device(teacher)
+    temp = cfg.temperature
 
-    def loss(student: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        with torch.no_grad():
-            t = teacher(input_ids=x.to(device), use_cache=False, output_hidden_states=hidden)
+    def loss(student: nn.Module, x: torch.Tensor, batch: int) -> torch.Tensor:
+        cached = cache.get(batch) if cache is not None else None
+        t = None
+        if cached is None and (cfg.kl or hidden):
+            with torch.no_grad():
+                t = teacher(input_ids=x.to(model_device(teacher)), use_cache=False, output_hidden_states=hidden)
+            if cache is not None:
+                cached = cache.put(batch, F.log_softmax(t.logits[:, :-1].float() / temp, -1))
         s = student(input_ids=x, labels=x if cfg.lm else None, use_cache=False, output_hidden_states=hidden)
         total = s.loss * cfg.lm if cfg.lm else 0.0
         if cfg.kl:
-            temp = cfg.temperature
             student_logp = F.log_softmax(s.logits[:, :-1].float() / temp, -1)
-            teacher_logp = F.log_softmax(t.logits[:, :-1].to(s.logits.device).float() / temp, -1)
-            total = total + cfg.kl * temp ** 2 * F.kl_div(student_logp.flatten(0, 1), teacher_logp.flatten(0, 1),
-                                                          log_target=True, reduction="batchmean")
+            if cached is not None:  # KL on the teacher's top k: Σ p_t (log p_t − log p_s) over those tokens
+                values, index = (v.to(student_logp.device) for v in cached)
+                kl = (values.exp() * (values - student_logp.gather(-1, index))).sum(-1).mean()
+            else:
+                teacher_logp = F.log_softmax(t.logits[:, :-1].to(s.logits.device).float() / temp, -1)
+                kl = F.kl_div(student_logp.flatten(0, 1), teacher_logp.flatten(0, 1), log_target=True, reduction="batchmean")
+            total = total + cfg.kl * temp ** 2 * kl
         if hidden:
             if len(s.hidden_states) != len(t.hidden_states):
                 raise UsageError("finetune.distill.hidden: the student has another number of layers than the teacher",
@@ -66,6 +80,49 @@ def distill_loss(teacher: nn.Module, cfg: DistillConfig) -> Loss:
             total = total + cfg.hidden * torch.stack(terms).mean()
         return total
     return loss
+
+
+class TeacherCache:
+    """The teacher's top-k next-token log-probabilities of each training batch, one file a batch
+    in ``folder``, named by everything that determines them (the teacher checkpoint's files, the
+    training text and sampling, the temperature, k), so a later run or epoch on the same batches
+    reads them instead of running the teacher."""
+
+    def __init__(self, folder: Path, key: dict, k: int):
+        digest = hashlib.sha1(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+        self.folder, self.k = Path(folder) / digest, k
+
+    def _path(self, batch: int) -> Path:
+        rank, size = distributed.world()
+        return self.folder / f"batch-{batch:07d}-{rank}of{size}.safetensors"
+
+    def complete(self, batches: Iterable[int]) -> bool:
+        return all(self._path(b).is_file() for b in batches)
+
+    def get(self, batch: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        path = self._path(batch)
+        if not path.is_file():
+            return None
+        t = load_file(path)
+        return t["values"], t["index"].long()
+
+    def put(self, batch: int, logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        values, index = logp.topk(min(self.k, logp.shape[-1]), dim=-1)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        tmp = self._path(batch).with_suffix(".tmp")
+        save_file({"values": values.contiguous().cpu(), "index": index.int().cpu()}, tmp)  # float32: a small KL
+        tmp.replace(self._path(batch))  # is a difference of nearby log-probabilities, which fp16 rounding swamps
+        return values, index
+
+
+def teacher_key(cfg: ModelConfig, finetune: dict) -> dict:
+    """What the cached teacher outputs depend on: the checkpoint (its weight files' names, sizes
+    and times) and the training batches and loss settings."""
+    from .model import checkpoint_files, resolve_path
+
+    path, _ = resolve_path(cfg)
+    files = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in checkpoint_files(path, cfg.revision)]
+    return {"model": cfg.model_dump(), "files": files, **finetune}
 
 
 def load_teacher(cfg: ModelConfig, distill: DistillConfig, student: nn.Module, student_tok) -> nn.Module:

@@ -204,15 +204,21 @@ def finetune(model: nn.Module, tokenizer, recipe: Recipe, resume: bool = False,
     torch.manual_seed(cfg.seed)
     device = model_device(model)
     if cfg.distill is not None:
-        from .distill import check_pair, distill_loss, load_teacher
+        from .distill import TeacherCache, check_pair, distill_loss, load_teacher, teacher_key
 
-        if teacher is None:
-            teacher = load_teacher(recipe.model, cfg.distill, model, tokenizer)
-        else:
+        d = cfg.distill
+        cache = None
+        if d.cache_topk:  # the teacher's outputs depend on these, not on the learning rate or the mode
+            sampling = {k: getattr(cfg, k) for k in ("dataset", "seq_len", "batch_size", "grad_accum", "steps", "seed", "bos")}
+            cache = TeacherCache(recipe.out / "teacher-cache", teacher_key(recipe.model, {
+                **sampling, "temperature": d.temperature, "k": d.cache_topk}), d.cache_topk)
+        if teacher is not None:
             check_pair(teacher, tokenizer, model, tokenizer)
-        compute = distill_loss(teacher, cfg.distill)
+        elif cache is None or d.layerwise_steps or not cache.complete(range(cfg.steps * cfg.grad_accum)):
+            teacher = load_teacher(recipe.model, d, model, tokenizer)
+        compute = distill_loss(teacher, d, cache)
     else:
-        def compute(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        def compute(m: nn.Module, x: torch.Tensor, _batch: int) -> torch.Tensor:
             return m(input_ids=x, labels=x, use_cache=False).loss
     model, params, state, finalize = prepare(model, cfg)
     rank, size = distributed.world()
@@ -270,7 +276,7 @@ def finetune(model: nn.Module, tokenizer, recipe: Recipe, resume: bool = False,
                                        seed=cfg.seed * 1_000_003 + step * cfg.grad_accum + micro, bos_id=bos_id)
             x = x[rank::size].to(device)  # this process's share of the global batch
             with autocast:
-                loss = compute(trained, x)
+                loss = compute(trained, x, step * cfg.grad_accum + micro)
                 if extra_loss is not None:
                     loss = loss + extra_loss(model)
             scaler.scale(loss / cfg.grad_accum).backward()

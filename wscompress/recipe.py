@@ -82,11 +82,16 @@ class DistillConfig(Strict):
                                                       "(each layer fits the teacher's layer on its own inputs)")
     layerwise_lr: float = Field(1e-5, gt=0)
     layerwise_samples: int = Field(32, gt=0, description="training sequences the layer-wise pass runs on")
+    cache_topk: int = Field(0, ge=0, description="keep the teacher's top-k next-token log-probabilities of every "
+                                                 "training batch on disk (KL on those k): later runs and epochs read "
+                                                 "them and need no teacher (0: run the teacher every step)")
 
     @model_validator(mode="after")
     def _some_loss(self):
         if self.kl == self.lm == self.hidden == 0:
             raise ValueError("every loss weight is 0 (set kl, lm or hidden)")
+        if self.cache_topk and self.hidden:
+            raise ValueError("cache_topk keeps logits only: the hidden-state loss needs the teacher (set hidden: 0)")
         return self
 
 
