@@ -23,10 +23,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch.utils._pytree import tree_map
 
-from . import distributed, ui
+from . import distributed, tensorio, ui
 from .arch import discover
 from .calibrate import LayerInputs, run_layer
 from .calibrate import layerwise as layer_by_layer
@@ -110,7 +110,7 @@ class TeacherCache:
         values, index = logp.topk(min(self.k, logp.shape[-1]), dim=-1)
         self.folder.mkdir(parents=True, exist_ok=True)
         tmp = self._path(batch).with_suffix(".tmp")
-        save_file({"values": values.contiguous().cpu(), "index": index.int().cpu()}, tmp)  # float32: a small KL
+        tensorio.save({"values": values, "index": index.int()}, tmp)  # float32: a small KL
         tmp.replace(self._path(batch))  # is a difference of nearby log-probabilities, which fp16 rounding swamps
         return values, index
 

@@ -23,10 +23,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 
-from . import data, distributed, storage, ui
+from . import data, distributed, storage, tensorio, ui
 from .arch import match_modules
 from .errors import UsageError
 from .evaluate.perplexity import evaluate_text
@@ -143,7 +143,7 @@ def _save_checkpoint(path: Path, step: int, params: list[torch.Tensor], opt, sch
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_file({f"p{i}": p.detach().contiguous().cpu() for i, p in enumerate(params)}, tmp / "params.safetensors")
+    tensorio.save({f"p{i}": p for i, p in enumerate(params)}, tmp / "params.safetensors")
     torch.save({"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "rng": _rng_state()}, tmp / "state.pt")
     run = _run_config(cfg)
     (tmp / "progress.json").write_text(json.dumps({"step": step, "history": history, "config": run}))

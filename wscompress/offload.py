@@ -27,10 +27,9 @@ from typing import Iterable, Iterator, Literal
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import nn
 
-from . import ui
+from . import tensorio, ui
 from .arch import Arch, discover
 
 Mode = Literal["none", "cpu", "disk"]
@@ -136,7 +135,7 @@ class Offload:
         if new:  # a stage changed these: they rest in a spill file from now on
             file = str(self.folder / f"{label}-{next(self._spills)}.safetensors")
             names = {slot: f"{i}.{slot[1]}" for i, slot in enumerate(new)}
-            save_file({names[s]: t.detach().contiguous().cpu() for s, t in new.items()}, file)
+            tensorio.save({names[s]: t for s, t in new.items()}, file)
             self.home.update({s: (file, names[s]) for s in new})
         keep = lambda slot, t: id(slot[0]) not in busy and not t.is_meta  # noqa: E731
         _replace(layer, keep, lambda _slot, t: torch.empty_like(t, device="meta"))

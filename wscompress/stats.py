@@ -23,9 +23,9 @@ from typing import Iterator
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 from torch import nn
 
+from . import tensorio
 from .arch import discover, first_names, get_module, is_linear, weight_of
 from .errors import UsageError
 from .offload import offload_of
@@ -85,7 +85,7 @@ class StatsWriter:
 
     def layer(self, i: int, grams: dict[str, torch.Tensor], owner: dict[str, str]) -> None:
         file = f"layer-{i:04d}.safetensors"
-        save_file({k: v.contiguous().cpu() for k, v in grams.items()}, self.folder / file)
+        tensorio.save(grams, self.folder / file)
         self.files.update((k, file) for k in grams)
         self.owner.update(owner)
 

@@ -28,9 +28,10 @@ from typing import Iterator
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 
+from . import tensorio
 from .arch import get_module, set_module
 from .errors import UsageError
 from .modules import MODULE_TYPES
@@ -199,7 +200,7 @@ def save(model: nn.Module, tokenizer, out_dir: str | Path, info: dict | None = N
 
         def flush() -> None:
             shards.append(f"model-{len(shards) + 1:05d}.safetensors")
-            save_file({k: v.contiguous().cpu() for k, v in pending.items()}, tmp / shards[-1], metadata={"format": "pt"})
+            tensorio.save(pending, tmp / shards[-1], {"format": "pt"})
             index.update((k, shards[-1]) for k in pending)
             pending.clear()
 
