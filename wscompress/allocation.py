@@ -38,6 +38,7 @@ class Unit:
         return min(len(self.spectrum), self.dense // self.cost)
 
 
+@torch.no_grad()  # the spectra are kept for the whole model: a graph behind each would keep its matrices too
 def spectrum(w: torch.Tensor, gram: torch.Tensor | None) -> torch.Tensor:
     """Squared singular values of W·S (S·Sᵀ = the Gram matrix; W alone without one), descending,
     float64. Only the values: the stages factorise again once the ranks are known, so no more

@@ -120,7 +120,8 @@ def apply_stages(model: nn.Module, tokenizer, recipe: Recipe, workdir: str | Pat
                              "model.offload: disk does not keep", "use model.offload: cpu (or none) for this recipe")
         before = storage.stats(model)["params"]
         start = time.perf_counter()
-        result = METHODS[stage.method].apply(model, stage, ctx) or {}
+        with torch.no_grad():  # compression builds no graphs (a stage that needs gradients enables them itself)
+            result = METHODS[stage.method].apply(model, stage, ctx) or {}
         storage.mark_trainable(model, result.get("trains", []))
         ctx.stages_done += 1
         rows.append({"stage": i, "method": stage.method, "params_before": before,
