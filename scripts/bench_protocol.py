@@ -41,6 +41,7 @@ FAST = {"sensitivity": "none", "error_feedback": False, "outliers": 0, "codebook
 LOW_RANK = {  # label -> stage; the ratio is filled in per column
     "SVD-LLM (svd, uniform)": {"method": "svd", **UNIFORM},
     "svd (default: fisher)": {"method": "svd"},
+    "svd fisher + refit": {"method": "svd", "refit": True},
     "Basis Sharing g2 (uniform)": {"method": "basis_sharing", "group_size": 2, **UNIFORM},
     "Basis Sharing g2 + refit (uniform)": {"method": "basis_sharing", "group_size": 2, "refit": True, **UNIFORM},
     "basis_sharing g2 (default: fisher)": {"method": "basis_sharing", "group_size": 2},

@@ -32,6 +32,7 @@ PLAIN = {"method": "kmeans", "sensitivity": "none", "error_feedback": False, "ou
 MODELS = {  # label -> compress stages (empty: the dense model)
     "dense fp32": [],
     "kmeans 4-bit per channel": [{**PLAIN, "bits": 4}],
+    "kmeans 4-bit + tied embedding/head": [{**PLAIN, "bits": 4, "targets": [r"model\.layers\.", "lm_head"]}],
     "kmeans 3-bit per channel": [{**PLAIN, "bits": 3}],
     "kmeans 2-bit per channel": [{**PLAIN, "bits": 2}],
     "kmeans 4-bit grouped 64": [{**PLAIN, "bits": 4, "granularity": "grouped", "group_size": 64}],

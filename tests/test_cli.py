@@ -143,3 +143,33 @@ def test_missing_task_file_and_calibration_text_are_found_up_front(tmp_path, tin
     path = recipe(tmp_path, tiny_dir("llama"), eval={"tasks": [str(tmp_path / "task.yaml")]})
     result = runner.invoke(app, ["check", str(path)])
     assert result.exit_code == 2 and "task.yaml" in result.output
+
+
+def test_run_evaluates_only_with_an_eval_section(tmp_path, tiny_dir):
+    path = recipe(tmp_path, tiny_dir("llama"), compress=[{"method": "svd", "ratio": 0.3, "whitening": False}])
+    data = yaml.safe_load(path.read_text())
+    del data["eval"]
+    path.write_text(yaml.safe_dump(data))
+    result = runner.invoke(app, ["run", str(path), "-q"])
+    assert result.exit_code == 0, result.output
+    reports = tmp_path / "out" / "reports"
+    assert (reports / "compress.json").is_file() and not (reports / "eval.json").exists()
+
+
+def test_the_original_perplexity_is_computed_once(tmp_path, tiny_dir, monkeypatch):
+    """Per (model, text, protocol): a second evaluation of the same original reads the cache;
+    another protocol (window count) computes again."""
+    from wscompress.evaluate import perplexity as ppl
+
+    monkeypatch.setenv("WSCOMPRESS_CACHE", str(tmp_path / "cache"))
+    path = recipe(tmp_path, tiny_dir("llama"))
+    assert runner.invoke(app, ["eval", str(path), "-q"]).exit_code == 0
+    first = json.loads((tmp_path / "out" / "reports" / "eval.json").read_text())["results"][0]
+    calls = []
+    real = ppl.perplexity
+    monkeypatch.setattr(ppl, "perplexity", lambda *a, **k: calls.append(1) or real(*a, **k))
+    assert runner.invoke(app, ["eval", str(path), "-q"]).exit_code == 0
+    second = json.loads((tmp_path / "out" / "reports" / "eval.json").read_text())["results"][0]
+    assert calls == [] and second["ppl"] == first["ppl"]
+    assert runner.invoke(app, ["eval", str(path), "-q", "--set", "eval.max_windows=2"]).exit_code == 0
+    assert calls == [1]

@@ -41,12 +41,19 @@ class Unit:
 @torch.no_grad()  # the spectra are kept for the whole model: a graph behind each would keep its matrices too
 def spectrum(w: torch.Tensor, gram: torch.Tensor | None) -> torch.Tensor:
     """Squared singular values of W·S (S·Sᵀ = the Gram matrix; W alone without one), descending,
-    float64. Only the values: the stages factorise again once the ranks are known, so no more
-    than one unit's factors exist at a time (eigenvalues cost a fraction of the factorisation)."""
+    float64: the eigenvalues of W·G·Wᵀ for a wide W, of (W·S)ᵀ(W·S) for a tall one (the smaller
+    side, as in ``linalg.low_rank``). Only the values: the stages factorise again once the ranks
+    are known, so no more than one unit's factors exist at a time."""
     a = w.double()
-    if gram is not None:
+    if gram is None:
+        small = a.T @ a if a.shape[0] >= a.shape[1] else a @ a.T
+    elif a.shape[0] <= a.shape[1]:
+        small = a @ gram.to(a.device).double()
+        del gram  # d×d float64 less while the product and eigenvalues are computed
+        small = small @ a.T
+    else:
         a = a @ whitening(gram.to(a.device))[0]
-    small = a.T @ a if a.shape[0] >= a.shape[1] else a @ a.T
+        small = a.T @ a
     return torch.linalg.eigvalsh(small).flip(0).clamp_min(0).cpu()
 
 

@@ -95,17 +95,28 @@ def principal_factors(a: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tens
 def low_rank(w: torch.Tensor, k: int, gram: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, str]:
     """Rank-k factors (C (out, k), B (k, in)) of ``w`` ≈ C·B, float64.
 
-    Without a Gram matrix this is the plain truncated SVD (optimal in ‖W - CB‖_F). With one
-    it is SVD-LLM's whitened SVD: truncated SVD of W·S where S·Sᵀ = XᵀX, so truncation is
-    optimal for the output error ‖(W - CB)Xᵀ‖_F; then B = B_S·S⁻¹. The last value names the
-    whitening ("none", "cholesky" or "shifted"). ``w`` may be several layers' weights stacked
-    along the output dimension: their shared basis B comes out the same way.
+    Without a Gram matrix this is the plain truncated SVD (optimal in ‖W - CB‖_F). With one it
+    is SVD-LLM's whitened truncation, optimal for the output error ‖(W - CB)Xᵀ‖_F: the best
+    rank-k approximation of W·Xᵀ is P·W·Xᵀ, P the projection on the top k eigenvectors U of
+    W·G·Wᵀ (G = XᵀX), so C = U and B = Uᵀ·W. For a wide W (out ≤ in) that small matrix is
+    used directly, with no Cholesky factor of the larger G (a 5632² one is 250 MB); for a tall
+    W it is the truncated SVD of W·S, S·Sᵀ = G (the Cholesky factor, now the smaller side),
+    and B = B_S·S⁻¹: the same projection. The last value names the route ("none", "projection",
+    "cholesky" or "shifted"). ``w`` may be several layers' weights stacked along the output
+    dimension: their shared basis B comes out the same way.
     """
     k = min(k, *w.shape)
     w = w.double()
     if gram is None:
         return (*balanced(*principal_factors(w, k)), "none")
+    if w.shape[0] <= w.shape[1]:
+        wg = w @ gram.to(w.device).double()
+        del gram  # the caller's copy may be its only other reference
+        u = torch.linalg.eigh(wg @ w.T).eigenvectors[:, -k:].flip(1)  # eigenvalues ascend
+        del wg
+        return (*balanced(u, u.T @ w), "projection")
     s, how = whitening(gram.to(w.device))
+    del gram
     coeff, right = principal_factors(w @ s, k)
     basis = torch.linalg.solve_triangular(s, right, upper=False, left=False)  # right·S⁻¹ without forming S⁻¹
     return (*balanced(coeff, basis), how)
@@ -114,8 +125,12 @@ def low_rank(w: torch.Tensor, k: int, gram: torch.Tensor | None = None) -> tuple
 def balanced(coeff: torch.Tensor, basis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The same product C·B with each rank component's column of C and row of B of equal norm
     (U·Σ^½, Σ^½·Vᵀ rather than U·Σ, Vᵀ): whitened bases can be orders of magnitude smaller than
-    their coefficients, and a fine-tuning step (Adam's above all) must not move both alike."""
+    their coefficients, and a fine-tuning step (Adam's above all) must not move both alike.
+    Each component's sign is fixed too (the largest entry of its basis row positive), so the
+    factors do not depend on which eigensolver route produced them (a later k-means sees them)."""
     scale = (coeff.norm(dim=0) / basis.norm(dim=1).clamp_min(1e-30)).clamp_min(1e-30).sqrt()
+    sign = basis.gather(1, basis.abs().argmax(1, keepdim=True))[:, 0].sign()
+    scale = scale * torch.where(sign == 0, 1.0, sign)
     return coeff / scale, basis * scale[:, None]
 
 

@@ -16,7 +16,9 @@ and a module shared between layers (a shared basis) stays while any layer using 
 
 from __future__ import annotations
 
+import ctypes
 import itertools
+import mmap
 import shutil
 import tempfile
 import weakref
@@ -224,6 +226,8 @@ def prepare(model: nn.Module, mode: Mode, device: torch.device, files: list[Path
     """Set up a model loaded on the CPU for ``mode``: everything outside the decoder layers goes
     to ``device``; the layers stay on the CPU (``cpu``) or rest in ``files`` and spill files
     (``disk``); ``none`` moves the whole model to ``device``."""
+    if mode != "disk":
+        own_memory(model)
     if mode == "none":
         model.to(device)
         return
@@ -235,6 +239,33 @@ def prepare(model: nn.Module, mode: Mode, device: torch.device, files: list[Path
     if mode == "disk":
         offload.adopt(list(files))
     model.__dict__["wscompress_offload"] = offload
+
+
+def own_memory(model: nn.Module) -> None:
+    """Copy every tensor that still lives in the checkpoint's memory map (transformers maps
+    safetensors files) into the process's own memory, handing the mapped pages back as it goes.
+    Mapped pages stay resident while any tensor of the file lives, so a weight a stage replaced
+    would otherwise keep its memory until the embeddings die too."""
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.device.type == "cpu" and t.numel():
+            old = t.data
+            t.data = old.clone()
+            _page_out(old)
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+MADV_PAGEOUT = 21  # reclaim: clean file pages are dropped (read again if needed), nothing is lost
+
+
+def _page_out(t: torch.Tensor) -> None:
+    """Ask the kernel to reclaim the whole pages under ``t`` (a no-op where it cannot)."""
+    page = mmap.PAGESIZE
+    storage = t.untyped_storage()
+    begin, end = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
+    lo, hi = -(-begin // page) * page, end // page * page
+    if hi > lo:
+        _libc.madvise(lo, hi - lo, MADV_PAGEOUT)
 
 
 def offload_of(model: nn.Module) -> Offload:
