@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from transformers.cache_utils import Cache
@@ -31,7 +30,7 @@ from .arch import Arch, discover, get_module
 from .errors import UsageError
 from .model import model_device
 from .offload import offload_of
-from .distributed import reduced, world
+from .distributed import barrier, reduced, world
 from .stats import Stats, StatsWriter, scratch_folder
 
 
@@ -233,8 +232,9 @@ def collect_grams(model: nn.Module, batches: list[torch.Tensor], names: list[str
             hook = GramHook(mine) if mine else None
         if hook is not None:
             harvest(arch.num_layers - 1)
+            hook = None
     finally:
-        if hook is not None:
+        if hook is not None:  # interrupted: stop observing
             hook.close()
     outside = [n for n in names if n not in done]
     if outside:
@@ -243,8 +243,7 @@ def collect_grams(model: nn.Module, batches: list[torch.Tensor], names: list[str
     sensitivity = output_sensitivity(model, names, batches, sensitivity_samples) if sensitivity_samples else {}
     if rank == 0:
         writer.finish(sensitivity)
-    if size > 1:
-        dist.barrier()  # the folder is complete for every rank
+    barrier()  # the folder is complete for every rank
     return Stats(writer.folder, scratch=folder is None if scratch is None else scratch)
 
 
