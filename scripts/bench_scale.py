@@ -15,6 +15,7 @@ Usage: python scripts/bench_scale.py [--sizes 135m 0.5b 1.1b] [--methods svd bas
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -66,6 +67,16 @@ def run(step: str, recipe: Path, out: Path) -> dict:
     return json.loads((out / "reports" / f"{step}.json").read_text())
 
 
+def digest(folder: Path) -> str:
+    """Short sha1 of the written weight files, so offloaded and in-memory outputs can be compared."""
+    h = hashlib.sha1()
+    for f in sorted(folder.glob("*.safetensors")):
+        with f.open("rb") as fh:
+            while chunk := fh.read(1 << 24):
+                h.update(chunk)
+    return h.hexdigest()[:10]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
@@ -98,7 +109,8 @@ def main() -> None:
                                  "compress s": comp["stages"][0]["seconds"],
                                  "compress peak GB": round(comp["peak_memory_mb"] * 2**20 / 1e9, 2),
                                  "peak / weights": round(peak / weights, 2),
-                                 "peak - weights GB": round((peak - weights) / 1e9, 2)})
+                                 "peak - weights GB": round((peak - weights) / 1e9, 2),
+                                 "output sha1": digest(out / "model")})
                     print(rows[-1], flush=True)
                     shutil.rmtree(out / "model", ignore_errors=True)  # GBs each: the reports stay
     cols = list(rows[0])

@@ -28,7 +28,7 @@ def logits(model) -> torch.Tensor:
 
 def compress(model, tokenizer, **options) -> dict:
     """One basis_sharing stage; uniform allocation unless asked (its ranks follow the paper's formula)."""
-    return wscompress.compress(model, [{"method": "basis_sharing", "allocation": "uniform", **options}], tokenizer, CALIB)[0]
+    return wscompress.compress(model, [{"method": "basis_sharing", "allocation": "uniform", "refit": False, **options}], tokenizer, CALIB)[0]
 
 
 def layer(model, i):
@@ -228,7 +228,7 @@ def test_refit_lowers_the_calibration_loss_of_real_weights(smollm2):
 
 def test_singular_gram_falls_back_to_a_shift(tokenizer):
     model = tiny_model("llama")
-    row = wscompress.compress(model, [{"method": "basis_sharing", "ratio": 0.2, "allocation": "uniform"}], tokenizer,
+    row = wscompress.compress(model, [{"method": "basis_sharing", "ratio": 0.2, "allocation": "uniform", "refit": False}], tokenizer,
                               {"dataset": "pydoc", "num_samples": 1, "seq_len": 16, "batch_size": 1})[0]
     # 16 tokens cannot span 64 input features: the stacked (tall) groups' whitening needs the shift
     # (a wide matrix is factorised by its output-side projection, which needs no whitening)
@@ -264,7 +264,7 @@ def test_smollm2_basis_sharing_end_to_end(smollm2, tmp_path):
     model = copy.deepcopy(model)
     ids = data.tokenize(tok, WIKI_TEST, max_tokens=4 * 512)
     base = perplexity(model, ids, 512, max_windows=4)["ppl"]
-    row = wscompress.compress(model, [{"method": "basis_sharing", "ratio": 0.2, "group_size": 2}], tok,
+    row = wscompress.compress(model, [{"method": "basis_sharing", "ratio": 0.2, "group_size": 2, "refit": False}], tok,
                               {"dataset": WIKI_TRAIN, "num_samples": 8, "seq_len": 256})[0]
     assert row["shared"] == ["q", "gate", "up"] and row["groups"] == 15  # GQA 9/3, 30 layers
     ppl = perplexity(model, ids, 512, max_windows=4)["ppl"]

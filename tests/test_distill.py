@@ -91,6 +91,14 @@ def test_layerwise_distillation_lowers_every_layers_error(tmp_path, tokenizer):
     assert len(out["history"]) == 2
 
 
+def test_layerwise_distillation_refuses_a_shallower_student(tmp_path, tokenizer):
+    student = tiny_model("llama")
+    compress(student, [{"method": "merge_drop", "n": 2}])
+    kd = {"kl": 1.0, "layerwise_steps": 2}
+    with pytest.raises(UsageError, match="layerwise_steps: the student has another number of layers"):
+        finetune(student, tokenizer, recipe(tmp_path, mode="method", steps=1, distill=kd), teacher=tiny_model("llama"))
+
+
 def test_cached_top_k_teacher(tmp_path, tokenizer, tiny_dir, monkeypatch):
     """The KL on the teacher's cached top-k equals the full KL when k covers the vocabulary; a
     second run on the same batches reads the cache, never loads the teacher, and ends alike."""

@@ -47,6 +47,16 @@ def test_interrupted_and_resumed_run_ends_like_an_uninterrupted_one(tmp_path, to
         torch.testing.assert_close(a, b, msg=name)
 
 
+def test_a_time_budget_ends_training_and_its_schedule(tmp_path, tokenizer):
+    opts = {"mode": "full", "steps": 100_000, "max_minutes": 0.02, "eval_every": 1_000}
+    _, report = finetune(tiny_model("llama"), tokenizer, recipe(tmp_path, **opts))
+    seconds = [h["seconds"] for h in report["history"]]
+    assert 1 < report["steps"] < 100_000 and seconds == sorted(seconds)
+    assert seconds[-1] >= 1.2 > seconds[-2]  # stops at the first step past the budget
+    assert report["history"][-1]["lr"] < 0.01 * 3e-3 < report["history"][0]["lr"]  # the cosine decayed over the time
+    assert "ppl" in report["history"][-1]  # the last step is evaluated even between eval_every steps
+
+
 def test_resume_refuses_a_checkpoint_of_another_run(tmp_path, tokenizer):
     finetune(tiny_model("llama"), tokenizer, recipe(tmp_path, mode="full"), stop_after=1)
     with pytest.raises(UsageError, match="finetune.lr"):

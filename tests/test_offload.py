@@ -23,7 +23,7 @@ CALIB = {"dataset": "pydoc", "num_samples": 8, "seq_len": 32, "batch_size": 2}
 RECIPES = {  # name -> stages; GOLDEN holds logits[..., :64] of each, computed before the pipeline existed
     "svd_fisher": [{"method": "svd", "ratio": 0.3, "sensitivity_samples": 4}],
     "basis_sharing_refit": [{"method": "basis_sharing", "ratio": 0.3, "refit": True, "sensitivity_samples": 4}],
-    "basis_sharing_uniform": [{"method": "basis_sharing", "ratio": 0.3, "allocation": "uniform"}],
+    "basis_sharing_uniform": [{"method": "basis_sharing", "ratio": 0.3, "allocation": "uniform", "refit": False}],
     "kmeans": [{"method": "kmeans", "bits": 3}],
 }
 X = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0))

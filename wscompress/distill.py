@@ -139,6 +139,10 @@ def layerwise(student: nn.Module, teacher: nn.Module, batches: list[torch.Tensor
     """Local distillation (module docstring) of the trainable ``params`` inside each decoder
     layer; returns per layer the relative output error before and after, on its inputs."""
     teacher_layers = discover(teacher).layers
+    if len(teacher_layers) != len(discover(student).layers):
+        raise UsageError("finetune.distill.layerwise_steps: the student has another number of layers than the teacher, "
+                         "so its layers have no counterpart to reproduce", "set layerwise_steps: 0 (a stage removed "
+                         "layers; the logits can still be distilled)")
     chosen = {id(p) for p in params}
     rows = []
     for i, layer, inputs in layer_by_layer(student, batches, label="layer-wise distillation"):

@@ -19,7 +19,7 @@ import json
 import math
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -38,7 +38,7 @@ from .recipe import FinetuneConfig, Recipe
 CKPT = "finetune-checkpoint"
 # what must match for a checkpoint to continue the same run
 RESUME_KEYS = ("mode", "dataset", "seq_len", "batch_size", "grad_accum", "steps", "lr", "weight_decay", "schedule",
-               "warmup_steps", "penalty", "lora_rank", "lora_alpha", "lora_targets", "dkm", "bos", "distill", "seed")
+               "warmup_steps", "max_minutes", "penalty", "lora_rank", "lora_alpha", "lora_targets", "dkm", "bos", "distill", "seed")
 
 
 def _run_config(cfg: FinetuneConfig) -> dict:
@@ -123,12 +123,45 @@ def prepare(model: nn.Module, cfg: FinetuneConfig) -> tuple[nn.Module, list[nn.P
     return model, params, state, finalize
 
 
-def lr_at(step: int, cfg: FinetuneConfig) -> float:
-    """Learning-rate factor: linear warm-up, then constant, linear or cosine decay to 0."""
+def lr_at(step: int, cfg: FinetuneConfig, spent: float = 0.0) -> float:
+    """Learning-rate factor: linear warm-up, then constant, linear or cosine decay to 0 over the
+    steps or, with ``max_minutes``, over the time budget (``spent``: its used fraction), whichever
+    ends first."""
     if step < cfg.warmup_steps:
         return (step + 1) / cfg.warmup_steps
-    progress = (step - cfg.warmup_steps) / max(cfg.steps - cfg.warmup_steps, 1)
+    progress = min(max((step - cfg.warmup_steps) / max(cfg.steps - cfg.warmup_steps, 1), spent), 1.0)
     return {"constant": 1.0, "linear": 1.0 - progress, "cosine": 0.5 * (1 + math.cos(math.pi * progress))}[cfg.schedule]
+
+
+class Clock:
+    """Training seconds (evaluations excluded) against an optional budget in minutes. Under
+    several processes the first rank out of time stops them all, so every rank stops at the same step."""
+
+    def __init__(self, minutes: float | None, device: torch.device):
+        self.budget, self.device = None if minutes is None else 60.0 * minutes, device
+        self.before, self._since, self._held = 0.0, None, 0.0
+
+    def start(self) -> None:
+        self._since = time.perf_counter()
+
+    def seconds(self) -> float:
+        return self.before + (time.perf_counter() - self._since - self._held if self._since is not None else 0.0)
+
+    def spent(self) -> float:
+        return 0.0 if self.budget is None else self.seconds() / self.budget
+
+    def out(self) -> bool:
+        if self.budget is None:
+            return False
+        return bool(distributed.reduced(torch.tensor([float(self.seconds() >= self.budget)], device=self.device)) > 0)
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._held += time.perf_counter() - t
 
 
 def _rng_state() -> dict[str, torch.Tensor]:
@@ -233,13 +266,15 @@ def finetune(model: nn.Module, tokenizer, recipe: Recipe, resume: bool = False,
     if cfg.penalty > 0:
         extra_loss = with_penalty(model, cfg.penalty, extra_loss)
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(s, cfg))
+    clock = Clock(cfg.max_minutes, device)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(s, cfg, clock.spent()))
     autocast, scaler = _mixed_precision(cfg, device, params)
     ckpt = recipe.out / CKPT
     first, history = 0, []
     if resume:
         if ckpt.is_dir():
             first, history = _load_checkpoint(ckpt, [*params, *state], opt, sched, cfg)
+            clock.before = history[-1]["seconds"] if history else 0.0
             ui.log(f"resumed from {ckpt} at step {first}")
         else:
             ui.log(f"[yellow]no checkpoint at {ckpt}; starting from step 0[/]")
@@ -260,6 +295,7 @@ def finetune(model: nn.Module, tokenizer, recipe: Recipe, resume: bool = False,
 
     trainable = sum(p.numel() for p in params)
     start = time.perf_counter()
+    clock.start()
     local = None
     if cfg.distill is not None and cfg.distill.layerwise_steps and first == 0:  # a resumed run has done it
         from .distill import layerwise
@@ -287,11 +323,16 @@ def finetune(model: nn.Module, tokenizer, recipe: Recipe, resume: bool = False,
         scaler.update()
         opt.zero_grad(set_to_none=True)
         sched.step()
-        entry = {"step": step + 1, "loss": total, "lr": sched.get_last_lr()[0]}
-        if cfg.eval_every and (step + 1) % cfg.eval_every == 0:
-            entry["ppl"] = evaluate()
+        entry = {"step": step + 1, "loss": total, "lr": sched.get_last_lr()[0], "seconds": round(clock.seconds(), 3)}
+        out_of_time = clock.out()
+        if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or out_of_time):
+            with clock.paused():
+                entry["ppl"] = evaluate()
             ui.log(f"step {step + 1}: loss {total:.4f}, ppl {entry['ppl']}")
         history.append(entry)
+        if out_of_time:
+            ui.log(f"finetune: the {cfg.max_minutes:g}-minute budget is spent after {step + 1} steps")
+            break
         interrupted = stop_after is not None and step + 1 >= stop_after
         if (cfg.save_every and (step + 1) % cfg.save_every == 0) or interrupted:
             if distributed.is_main():
@@ -306,6 +347,6 @@ def finetune(model: nn.Module, tokenizer, recipe: Recipe, resume: bool = False,
     for p in model.parameters():
         p.requires_grad_(False)
     result = finalize()
-    return model, {"mode": cfg.mode, "steps": cfg.steps, "bos": bos, "distill": None if cfg.distill is None else cfg.distill.model_dump(),
+    return model, {"mode": cfg.mode, "steps": history[-1]["step"] if history else first, "bos": bos, "distill": None if cfg.distill is None else cfg.distill.model_dump(),
                    "layerwise": local, "trainable_params": trainable, "final_loss": history[-1]["loss"] if history else None,
                    "final_ppl": final_ppl, "seconds": round(time.perf_counter() - start, 2), "history": history, **result}

@@ -110,6 +110,9 @@ class FinetuneConfig(Strict):
     eval_every: int = Field(0, ge=0, description="steps between evaluations (0: only at the end)")
     eval_windows: int = Field(8, gt=0)
     save_every: int = Field(0, ge=0, description="steps between resumable checkpoints (0: never)")
+    max_minutes: float | None = Field(None, gt=0, description="time budget: training (layer-wise phase included, "
+                                      "evaluations excluded) stops when it is spent and the schedule decays over "
+                                      "it; steps becomes an upper bound")
     mixed_precision: Literal["no", "bf16", "fp16"] = "no"
     lora_rank: int = Field(8, gt=0)
     lora_alpha: float = 16.0
