@@ -42,10 +42,10 @@ LOW_RANK = {  # label -> stage; the ratio is filled in per column
     "SVD-LLM (svd, uniform)": {"method": "svd", **UNIFORM},
     "svd (default: fisher)": {"method": "svd"},
     "svd fisher + refit": {"method": "svd", "refit": True},
-    "Basis Sharing g2 (uniform)": {"method": "basis_sharing", "group_size": 2, **UNIFORM},
+    "Basis Sharing g2 (uniform)": {"method": "basis_sharing", "group_size": 2, "refit": False, **UNIFORM},
     "Basis Sharing g2 + refit (uniform)": {"method": "basis_sharing", "group_size": 2, "refit": True, **UNIFORM},
-    "basis_sharing g2 (default: fisher)": {"method": "basis_sharing", "group_size": 2},
-    "basis_sharing g2 fisher + refit": {"method": "basis_sharing", "group_size": 2, "refit": True},
+    "basis_sharing g2 fisher, no refit": {"method": "basis_sharing", "group_size": 2, "refit": False},
+    "basis_sharing g2 (default: fisher + refit)": {"method": "basis_sharing", "group_size": 2},
 }
 CLUSTERING = {  # label -> stage; the bits are filled in per column
     "k-means per channel (plain)": {"method": "kmeans", **FAST},
@@ -54,9 +54,9 @@ CLUSTERING = {  # label -> stage; the bits are filled in per column
     "kmeans (default: + outliers, fp16 codebooks)": {"method": "kmeans"},
 }
 COMBINED = {  # label -> stages, at fixed settings: low-rank factors palettized in turn
-    "basis_sharing g2 20 % + kmeans 4-bit": [{"method": "basis_sharing", "group_size": 2, "ratio": 0.2},
+    "basis_sharing g2 20 % + kmeans 4-bit": [{"method": "basis_sharing", "group_size": 2, "ratio": 0.2, "refit": False},
                                             {"method": "kmeans", "bits": 4}],
-    "basis_sharing g2 20 % + kmeans 3-bit": [{"method": "basis_sharing", "group_size": 2, "ratio": 0.2},
+    "basis_sharing g2 20 % + kmeans 3-bit": [{"method": "basis_sharing", "group_size": 2, "ratio": 0.2, "refit": False},
                                             {"method": "kmeans", "bits": 3}],
 }
 # Published figures of the reference implementations on this protocol (measured by running the
