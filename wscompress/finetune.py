@@ -340,7 +340,8 @@ def finetune(model: nn.Module, tokenizer, recipe: Recipe, resume: bool = False,
             distributed.barrier()
         if interrupted:
             return model, {"interrupted_at": step + 1, "checkpoint": str(ckpt), "history": history}
-    final_ppl = evaluate()
+    # the last step may have been evaluated already (eval_every, or the budget ran out there)
+    final_ppl = history[-1]["ppl"] if history and "ppl" in history[-1] else evaluate()
     model.eval()
     if cfg.mode == "lora":
         model = model.merge_and_unload()
