@@ -86,3 +86,43 @@ def test_resident_bytes_stay_packed(bits):
         lin(torch.randn(1, 64))
     indices = 48 * 64 * (bits if bits == 4 or kernels.lut() is None else bits + 4) // 8  # + the nibble copy
     assert resident_bytes(lin) == indices + 4 * (lin.codebook.numel() + 48)  # + codebook and bias, float32
+
+
+def test_lowrank_kernel_builds_where_a_compiler_exists():
+    if shutil.which("c++") or shutil.which("g++"):
+        assert kernels.lowrank() is not None, kernels.status()
+
+
+@pytest.mark.skipif(kernels.lowrank() is None, reason="kernels not built here")
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 33])
+@pytest.mark.parametrize("bias", [False, True])
+def test_lowrank_kernel_equals_the_two_matmuls(rows, bias):
+    """Odd sizes (rank 13, in 70, out 37) exercise the vector loops' tails and the row remainders."""
+    from wscompress.methods.svd import LowRankLinear
+
+    torch.manual_seed(rows)
+    lin = LowRankLinear(70, 37, 13, bias=bias)
+    x = torch.randn(rows, 70)
+    ref = lin.coeff(lin.basis(x)).detach()
+    with torch.no_grad():
+        fused = kernels.low_rank_linear(x, lin.basis.weight, lin.coeff.weight, lin.coeff.bias)
+        assert (fused is None) == (rows > kernels.DECODE_ROWS)  # decoding runs the kernel, prefill the BLAS
+        torch.testing.assert_close(lin(x.view(1, rows, 70)), ref.view(1, rows, 37), rtol=1e-5, atol=1e-5)
+    assert kernels.low_rank_linear(x, lin.basis.weight, lin.coeff.weight, lin.coeff.bias) is None  # training: torch
+    lin(x).sum().backward()
+    assert lin.basis.weight.grad is not None
+
+
+@pytest.mark.skipif(kernels.lowrank() is None, reason="kernels not built here")
+@pytest.mark.parametrize("method", ["svd", "basis_sharing"])
+def test_low_rank_model_decodes_like_the_reference_path(tokenizer, monkeypatch, method):
+    model = tiny_model("llama")
+    wscompress.compress(model, [{"method": method, "ratio": 0.4}], tokenizer, CALIB)
+    ids = torch.randint(0, 512, (2, 24))
+    with torch.no_grad():
+        out = model(input_ids=ids, use_cache=True)
+        step = model(input_ids=ids[:, :1] + 1, past_key_values=out.past_key_values).logits
+        monkeypatch.setattr(kernels, "low_rank_linear", lambda *a, **k: None)
+        out = model(input_ids=ids, use_cache=True)
+        torch.testing.assert_close(model(input_ids=ids[:, :1] + 1, past_key_values=out.past_key_values).logits, step,
+                                   rtol=1e-4, atol=1e-4)

@@ -113,14 +113,20 @@ def kernel_path(model: nn.Module) -> str:
     """How the model's compressed layers compute, in words (for the report)."""
     from .. import kernels
     from ..methods.kmeans import PalettizedLinear
+    from ..methods.svd import LowRankLinear
 
+    cpu = model_device(model).type == "cpu"
+    parts = []
     pal = [m for m in model.modules() if isinstance(m, PalettizedLinear)]
-    if not pal:
-        return "dense/low-rank matmuls (torch)"
-    if model_device(model).type != "cpu" or kernels.lut() is None:
-        return f"palettized: weight materialised per forward (torch; {kernels.status()})"
-    lut = sum(m.kernel_layout() is not None for m in pal)
-    return f"palettized: LUT kernel {kernels.status()} on {lut}/{len(pal)} layers, the rest torch"
+    if pal and (not cpu or kernels.lut() is None):
+        parts.append(f"palettized: weight materialised per forward (torch; {kernels.status()})")
+    elif pal:
+        lut = sum(m.kernel_layout() is not None for m in pal)
+        parts.append(f"palettized: LUT kernel on {lut}/{len(pal)} layers, the rest torch")
+    if any(isinstance(m, LowRankLinear) for m in model.modules()):
+        fused = cpu and kernels.lowrank() is not None
+        parts.append("low-rank: fused kernel for decoding, BLAS for prefill" if fused else "low-rank: two matmuls (torch)")
+    return "; ".join(parts) + f" [{kernels.status()}]" if parts else "dense matmuls (torch)"
 
 
 def comparison_rows(results: dict[str, dict]) -> list[dict]:

@@ -1,10 +1,11 @@
-"""Compiled kernels: look-up-table matmul for palettized weights on CPU (``lut.cpp``).
+"""Compiled CPU kernels: look-up-table matmul for palettized weights (``lut.cpp``) and a fused
+low-rank matmul for decoding (``lowrank.cpp``).
 
 ``make install`` builds them (``python -m wscompress.kernels.build``) with torch's C++ extension
-tools into ``<cache>/kernels/torch-<version>``; later processes load the built library. Where
+tools into ``<cache>/kernels/torch-<version>``; later processes load the built libraries. Where
 they cannot be built or loaded (no compiler, an unusual platform) or ``WSCOMPRESS_KERNELS=0``,
-``lut()`` returns None, ``status()`` says why, and layers use their pure-torch path, which
-gives the same results.
+``lut()`` / ``lowrank()`` return None, ``status()`` says why, and layers use their pure-torch
+path, which gives the same results.
 """
 
 from __future__ import annotations
@@ -17,12 +18,12 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-SOURCE = Path(__file__).with_name("lut.cpp")
-DECODE_ROWS = 8  # inputs with at most this many rows (decoding) use the LUT matmul; longer ones decode the weight
+HERE = Path(__file__).parent
+DECODE_ROWS = 8  # inputs with at most this many rows (decoding) use the kernels; longer ones the BLAS
 
 
 @cache
-def _load() -> tuple[ModuleType | None, str]:
+def _load(source: str) -> tuple[ModuleType | None, str]:
     if os.environ.get("WSCOMPRESS_KERNELS", "1") == "0":
         return None, "disabled by WSCOMPRESS_KERNELS=0"
     from ..model import cache_dir
@@ -32,12 +33,12 @@ def _load() -> tuple[ModuleType | None, str]:
     try:
         from torch.utils.cpp_extension import load
 
-        module = load(name="wscompress_lut", sources=[str(SOURCE)], build_directory=str(build), verbose=False,
-                      extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
+        module = load(name=f"wscompress_{source}", sources=[str(HERE / f"{source}.cpp")], build_directory=str(build),
+                      verbose=False, extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
     except Exception as err:  # noqa: BLE001 - any build or load failure means: use the torch path
         return None, f"not built ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
     flags = _cpu_flags()
-    return module, f"lut.cpp ({'AVX-512' if 'avx512f' in flags else 'AVX2' if 'avx2' in flags else 'scalar'})"
+    return module, f"{source}.cpp ({'AVX-512' if 'avx512f' in flags else 'AVX2' if 'avx2' in flags else 'scalar'})"
 
 
 def _cpu_flags() -> str:
@@ -48,13 +49,18 @@ def _cpu_flags() -> str:
 
 
 def lut() -> ModuleType | None:
-    """The compiled module, or None when it is not available (see ``status``)."""
-    return _load()[0]
+    """The compiled LUT module, or None when it is not available (see ``status``)."""
+    return _load("lut")[0]
+
+
+def lowrank() -> ModuleType | None:
+    """The compiled low-rank module, or None when it is not available (see ``status``)."""
+    return _load("lowrank")[0]
 
 
 def status() -> str:
-    """Which CPU path palettized layers use, in words."""
-    return _load()[1]
+    """Which CPU paths compressed layers use, in words."""
+    return ", ".join(dict.fromkeys(_load(source)[1] for source in ("lut", "lowrank")))
 
 
 def palettized_linear(x: torch.Tensor, indices: torch.Tensor, width: int, tables: torch.Tensor, group_size: int,
@@ -73,3 +79,18 @@ def palettized_linear(x: torch.Tensor, indices: torch.Tensor, width: int, tables
     else:  # prefill: decode this layer's dense weight once (transient) and let the BLAS multiply
         y = F.linear(flat, module.lut_dense(indices, tables, width, group_size, out_features, flat.shape[1]))
     return y.view(*x.shape[:-1], out_features)
+
+
+def low_rank_linear(x: torch.Tensor, basis: torch.Tensor, coeff: torch.Tensor,
+                    bias: torch.Tensor | None) -> torch.Tensor | None:
+    """coeff (basis x) + bias in one call for decoding, or None where the kernel does not apply
+    (more than DECODE_ROWS rows, not CPU float32, kernels unavailable, gradients needed)."""
+    module = lowrank()
+    operands = [x, basis, coeff] + ([] if bias is None else [bias])
+    if (module is None or x.device.type != "cpu" or x.numel() > DECODE_ROWS * x.shape[-1]
+            or any(t.dtype != torch.float32 for t in operands)
+            or torch.is_grad_enabled() and any(t.requires_grad for t in operands)):
+        return None
+    flat = x.reshape(-1, x.shape[-1]).contiguous()
+    y = module.lowrank_linear(flat, basis.contiguous(), coeff.contiguous(), x.new_empty(0) if bias is None else bias)
+    return y.view(*x.shape[:-1], coeff.shape[0])

@@ -15,6 +15,7 @@ import torch
 from pydantic import Field, model_validator
 from torch import nn
 
+from .. import kernels
 from ..allocation import Unit, allocate, spectrum
 from ..arch import Arch, Conv1D, dims_of, discover, distinct, get_module, match_modules, replace_everywhere, weight_of
 from ..compensate import refit_pass
@@ -44,6 +45,10 @@ class LowRankLinear(CompressedLinear):
         return self.coeff.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if type(self.basis) is nn.Linear and type(self.coeff) is nn.Linear:  # not palettized in turn
+            y = kernels.low_rank_linear(x, self.basis.weight, self.coeff.weight, self.coeff.bias)
+            if y is not None:  # decoding on CPU: one fused call (wscompress.kernels)
+                return y
         return self.coeff(self.basis(x))
 
     def dense_weight(self) -> torch.Tensor:
