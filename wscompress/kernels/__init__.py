@@ -84,13 +84,11 @@ def palettized_linear(x: torch.Tensor, indices: torch.Tensor, width: int, tables
 def low_rank_linear(x: torch.Tensor, basis: torch.Tensor, coeff: torch.Tensor,
                     bias: torch.Tensor | None) -> torch.Tensor | None:
     """coeff (basis x) + bias in one call for decoding, or None where the kernel does not apply
-    (more than DECODE_ROWS rows, not CPU float32, kernels unavailable, gradients needed)."""
+    (more than DECODE_ROWS rows, not CPU float32, kernels unavailable, gradients needed). It runs
+    once per low-rank layer and decoded token, so the checks are kept few and cheap."""
     module = lowrank()
-    operands = [x, basis, coeff] + ([] if bias is None else [bias])
     if (module is None or x.device.type != "cpu" or x.numel() > DECODE_ROWS * x.shape[-1]
-            or any(t.dtype != torch.float32 for t in operands)
-            or torch.is_grad_enabled() and any(t.requires_grad for t in operands)):
+            or not x.dtype == basis.dtype == coeff.dtype == torch.float32 or bias is not None and bias.dtype != x.dtype
+            or torch.is_grad_enabled() and (x.requires_grad or basis.requires_grad or coeff.requires_grad)):
         return None
-    flat = x.reshape(-1, x.shape[-1]).contiguous()
-    y = module.lowrank_linear(flat, basis.contiguous(), coeff.contiguous(), x.new_empty(0) if bias is None else bias)
-    return y.view(*x.shape[:-1], coeff.shape[0])
+    return module.lowrank_linear(x, basis, coeff, bias)

@@ -93,22 +93,29 @@ void gemv_any(int64_t m, const float* x, const float* w, const float* bias, int6
 
 }  // namespace
 
-// x (batch <= 8, in), basis (rank, in), coeff (out, rank), bias (out) or an empty tensor; all
-// contiguous float32. Returns coeff (basis x) + bias, (batch, out).
-torch::Tensor lowrank_linear(torch::Tensor x, torch::Tensor basis, torch::Tensor coeff, torch::Tensor bias) {
-  TORCH_CHECK(x.dim() == 2 && x.size(0) <= 8, "x: (batch <= 8, in)");
-  for (const auto* t : {&x, &basis, &coeff})
+// x (..., in) with at most 8 rows, basis (rank, in), coeff (out, rank), bias (out) or None; float32,
+// basis and coeff contiguous. Returns coeff (basis x) + bias, (..., out). The reshapes happen here,
+// not in Python: at batch 1 each dispatcher call costs as much as the matmul of a small factor.
+torch::Tensor lowrank_linear(torch::Tensor x, torch::Tensor basis, torch::Tensor coeff, c10::optional<torch::Tensor> bias) {
+  const int64_t in = x.size(-1), rank = basis.size(0), out = coeff.size(0);
+  torch::Tensor flat = x.reshape({-1, in}).contiguous();
+  const int64_t m = flat.size(0);
+  TORCH_CHECK(m <= 8, "lowrank_linear: at most 8 rows");
+  for (const auto* t : {&flat, &basis, &coeff})
     TORCH_CHECK(t->scalar_type() == torch::kFloat && t->is_contiguous(), "operands: contiguous float32");
-  TORCH_CHECK(basis.size(1) == x.size(1) && coeff.size(1) == basis.size(0), "shapes do not chain");
-  const bool has_bias = bias.numel() > 0;
-  TORCH_CHECK(!has_bias || (bias.scalar_type() == torch::kFloat && bias.numel() == coeff.size(0)), "bias: (out,) float32");
-  const int64_t m = x.size(0), in = x.size(1), rank = basis.size(0), out = coeff.size(0);
-  const torch::Tensor b = has_bias ? bias.contiguous() : bias;
+  TORCH_CHECK(basis.size(1) == in && coeff.size(1) == rank, "shapes do not chain");
+  torch::Tensor b;
+  if (bias.has_value()) {
+    b = bias->contiguous();
+    TORCH_CHECK(b.scalar_type() == torch::kFloat && b.numel() == out, "bias: (out,) float32");
+  }
   auto t = torch::empty({m, rank}, x.options());
-  auto y = torch::empty({m, out}, x.options());
-  gemv_any(m, x.data_ptr<float>(), basis.data_ptr<float>(), nullptr, in, rank, t.data_ptr<float>());
-  gemv_any(m, t.data_ptr<float>(), coeff.data_ptr<float>(), has_bias ? b.data_ptr<float>() : nullptr,
-           rank, out, y.data_ptr<float>());
+  auto sizes = x.sizes().vec();
+  sizes.back() = out;
+  auto y = torch::empty(sizes, x.options());
+  gemv_any(m, flat.data_ptr<float>(), basis.data_ptr<float>(), nullptr, in, rank, t.data_ptr<float>());
+  gemv_any(m, t.data_ptr<float>(), coeff.data_ptr<float>(), b.defined() ? b.data_ptr<float>() : nullptr, rank, out,
+           y.data_ptr<float>());
   return y;
 }
 

@@ -45,11 +45,12 @@ class LowRankLinear(CompressedLinear):
         return self.coeff.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if type(self.basis) is nn.Linear and type(self.coeff) is nn.Linear:  # not palettized in turn
-            y = kernels.low_rank_linear(x, self.basis.weight, self.coeff.weight, self.coeff.bias)
+        basis, coeff = self.basis, self.coeff
+        if type(basis) is nn.Linear and type(coeff) is nn.Linear:  # not palettized in turn
+            y = kernels.low_rank_linear(x, basis.weight, coeff.weight, coeff.bias)
             if y is not None:  # decoding on CPU: one fused call (wscompress.kernels)
                 return y
-        return self.coeff(self.basis(x))
+        return coeff(basis(x))
 
     def dense_weight(self) -> torch.Tensor:
         return weight_of(self.coeff) @ weight_of(self.basis)  # either factor may be palettized in turn
