@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from pathlib import Path
 
 import pytest
@@ -70,7 +71,9 @@ def test_disk_offload_compresses_to_the_same_model_one_group_at_a_time(name, on_
     for layer in arch.layers:  # how many layers hold real tensors whenever one runs
         layer.register_forward_pre_hook(lambda *_: most.__setitem__(0, max(most[0], len(resident_layers(model)))))
     recipe = load_recipe(data={"calibration": CALIB, "compress": STAGED[name]})
+    replaced = weakref.ref(arch.layers[0].mlp.down_proj)
     apply_stages(model, tok, recipe, tmp_path)
+    assert replaced() is None  # a swapped-out layer is freed with its onloaded weights, not kept by the offloader
     torch.testing.assert_close(logits(model), logits(reference), rtol=1e-6, atol=1e-6)
     assert 1 <= most[0] <= 2 and resident_layers(model) == []  # a group of 2 at most, none at rest
     saved = storage.save(model, tok, tmp_path / "out", max_shard_size=50_000)  # shard by shard

@@ -43,8 +43,8 @@ class Offload:
 
     def __init__(self, model: nn.Module, mode: Mode, device: torch.device, folder: str | Path | None = None):
         self.model, self.mode, self.device = model, mode, torch.device(device)
-        self.home: dict[Slot, tuple[str, str]] = {}  # disk: where each tensor rests (file, name in it)
-        self._version: dict[Slot, int] = {}  # disk: tensor versions when loaded (an in-place change bumps them)
+        self.home = _Slots()  # disk: where each tensor rests (file, name in it)
+        self._version = _Slots()  # disk: tensor versions when loaded (an in-place change bumps them)
         self._users: dict[int, int] = {}  # layer -> how many open onloads hold it
         self._spills = itertools.count()
         self.folder: Path | None = None
@@ -162,6 +162,31 @@ class Offload:
                     self._version[(module, leaf)] = t._version
         for i, layer in enumerate(self.arch.layers):
             self._send(layer, set(), f"layer{i}")
+
+
+class _Slots:
+    """A map slot -> value that holds the modules weakly: a module a stage swapped out (with the
+    tensors it had onloaded) is freed with its last other reference instead of being kept alive
+    by this bookkeeping, which would keep every replaced layer's weights in memory."""
+
+    def __init__(self):
+        self._of: weakref.WeakKeyDictionary[nn.Module, dict[str, object]] = weakref.WeakKeyDictionary()
+
+    def __contains__(self, slot: Slot) -> bool:
+        return slot[1] in self._of.get(slot[0], ())
+
+    def __getitem__(self, slot: Slot):
+        return self._of[slot[0]][slot[1]]
+
+    def __setitem__(self, slot: Slot, value) -> None:
+        self._of.setdefault(slot[0], {})[slot[1]] = value
+
+    def get(self, slot: Slot, default=None):
+        return self._of.get(slot[0], {}).get(slot[1], default)
+
+    def update(self, items: dict[Slot, object]) -> None:
+        for slot, value in items.items():
+            self[slot] = value
 
 
 def _made(folder: str | Path | None) -> Path | None:
