@@ -91,6 +91,19 @@ def test_layerwise_distillation_lowers_every_layers_error(tmp_path, tokenizer):
     assert len(out["history"]) == 2
 
 
+def test_layerwise_distillation_keeps_to_its_share_of_the_time_budget(tmp_path, tokenizer):
+    """With max_minutes the layer-wise phase stops at its share, however many steps it was
+    given, and leaves the rest of the budget to the global phase."""
+    teacher, student = tiny_model("llama"), tiny_model("llama")
+    compress(student, [{"method": "svd", "ratio": 0.7, "whitening": False}])
+    kd = {"kl": 1.0, "layerwise_steps": 10**6, "layerwise_lr": 3e-3, "layerwise_samples": 4, "layerwise_share": 0.5}
+    r = recipe(tmp_path, mode="method", steps=10**6, max_minutes=0.02, eval_every=0, distill=kd)  # 1.2 s
+    _, out = finetune(student, tokenizer, r, teacher=teacher)
+    rows = out["layerwise"]
+    assert rows and rows[0]["steps"] > 0 and all(row["steps"] < 10**6 for row in rows), rows
+    assert len(out["history"]) >= 1 and out["history"][-1]["seconds"] < 5
+
+
 def test_layerwise_distillation_refuses_a_shallower_student(tmp_path, tokenizer):
     student = tiny_model("llama")
     compress(student, [{"method": "merge_drop", "n": 2}])

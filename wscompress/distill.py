@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -135,17 +136,25 @@ def load_teacher(cfg: ModelConfig, distill: DistillConfig, student: nn.Module, s
 
 
 def layerwise(student: nn.Module, teacher: nn.Module, batches: list[torch.Tensor], params: list[nn.Parameter],
-              steps: int, lr: float) -> list[dict]:
+              steps: int, lr: float, seconds: float | None = None) -> list[dict]:
     """Local distillation (module docstring) of the trainable ``params`` inside each decoder
-    layer; returns per layer the relative output error before and after, on its inputs."""
+    layer; returns per layer the relative output error before and after, on its inputs.
+
+    With ``seconds`` the phase keeps to that time: layer i trains until its share of it
+    (i + 1) / n has passed (time a layer leaves unused goes to the next), and once the whole
+    is spent the remaining layers are left untrained (the global phase still trains them)."""
     teacher_layers = discover(teacher).layers
     if len(teacher_layers) != len(discover(student).layers):
         raise UsageError("finetune.distill.layerwise_steps: the student has another number of layers than the teacher, "
                          "so its layers have no counterpart to reproduce", "set layerwise_steps: 0 (a stage removed "
                          "layers; the logits can still be distilled)")
     chosen = {id(p) for p in params}
-    rows = []
+    rows, start, n = [], time.perf_counter(), len(teacher_layers)
     for i, layer, inputs in layer_by_layer(student, batches, label="layer-wise distillation"):
+        if seconds is not None and time.perf_counter() - start >= seconds:
+            ui.log(f"layer-wise distillation: its {seconds:.0f} s are spent; layers {i}-{n - 1} are left to the global phase")
+            break
+        until = None if seconds is None else start + seconds * (i + 1) / n
         mine = [p for p in layer.parameters() if id(p) in chosen]
         device = model_device(teacher)
         with torch.no_grad():
@@ -158,12 +167,14 @@ def layerwise(student: nn.Module, teacher: nn.Module, batches: list[torch.Tensor
                     / sum(t.pow(2).sum().item() for t in targets))
 
         before = error()
-        saved = [p.detach().clone() for p in mine]
+        saved, done = [p.detach().clone() for p in mine], 0
         if mine and steps:
             opt = torch.optim.Adam(mine, lr=lr)
             with torch.enable_grad():
-                for step in range(steps):
-                    b = step % len(inputs.hidden)
+                for done in range(steps):
+                    if until is not None and done and time.perf_counter() >= until:
+                        break
+                    b = done % len(inputs.hidden)
                     args, kwargs = inputs.calls[b]
                     out = layer(inputs.hidden[b], *args, **kwargs)
                     out = out[0] if isinstance(out, tuple) else out
@@ -177,8 +188,8 @@ def layerwise(student: nn.Module, teacher: nn.Module, batches: list[torch.Tensor
                 for p, old in zip(mine, saved):
                     p.copy_(old)
             after = before
-        rows.append({"layer": i, "trained": sum(p.numel() for p in mine), "rel_error_before": before,
-                     "rel_error_after": after})
+        rows.append({"layer": i, "trained": sum(p.numel() for p in mine), "steps": done,
+                     "rel_error_before": before, "rel_error_after": after})
         ui.log(f"layer {i}: relative output error {before:.4g} -> {rows[-1]['rel_error_after']:.4g}")
     return rows
 

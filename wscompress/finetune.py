@@ -303,7 +303,9 @@ def finetune(model: nn.Module, tokenizer, recipe: Recipe, resume: bool = False,
         d = cfg.distill
         batches = data.sample_batches(train_ids, d.layerwise_samples, cfg.seq_len, cfg.batch_size, seed=cfg.seed,
                                       bos_id=bos_id)
-        local = layerwise(model, teacher, [b.to(device) for b in batches], params, d.layerwise_steps, d.layerwise_lr)
+        share = None if clock.budget is None else d.layerwise_share * clock.budget
+        local = layerwise(model, teacher, [b.to(device) for b in batches], params, d.layerwise_steps, d.layerwise_lr,
+                          seconds=share)
     model.train()
     for step in ui.track(range(first, cfg.steps), "finetune steps", total=cfg.steps - first):
         total = 0.0

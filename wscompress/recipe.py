@@ -82,6 +82,9 @@ class DistillConfig(Strict):
                                                       "(each layer fits the teacher's layer on its own inputs)")
     layerwise_lr: float = Field(1e-5, gt=0)
     layerwise_samples: int = Field(32, gt=0, description="training sequences the layer-wise pass runs on")
+    layerwise_share: float = Field(0.25, gt=0, le=1, description="with finetune.max_minutes, the most of the budget "
+                                                                 "the layer-wise phase may use (spread evenly over "
+                                                                 "the layers; the rest trains the global loss)")
     cache_topk: int = Field(0, ge=0, description="keep the teacher's top-k next-token log-probabilities of every "
                                                  "training batch on disk (KL on those k): later runs and epochs read "
                                                  "them and need no teacher (0: run the teacher every step)")
