@@ -107,8 +107,9 @@ def perplexity_table(model, ids, windows: int, bits_list: list[int], grans: list
 
 
 DKM_CHILD = """
-import json, resource, sys, torch
+import json, sys, torch
 torch.set_num_threads({threads})
+from wscompress.report import peak_memory_mb
 from wscompress.model import load_model
 from wscompress.recipe import ModelConfig, load_recipe
 from wscompress.finetune import finetune
@@ -117,7 +118,7 @@ recipe = load_recipe(data={{"output": {{"dir": "{out}"}}, "eval": {{"perplexity"
     "finetune": {{"mode": "{mode}", "steps": {steps}, "seq_len": 128, "batch_size": 1, "lr": 1e-5, "eval_windows": 1,
                  "dataset": "{train}", "dkm": {{"bits": 4, "iterations": 1}}}}}})
 model, report = finetune(model, tok, recipe)
-print(json.dumps({{"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+print(json.dumps({{"peak_rss_mb": peak_memory_mb(torch.device("cpu")),
                   "seconds": report["seconds"], "final_loss": report["final_loss"]}}))
 """
 

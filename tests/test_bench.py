@@ -48,3 +48,18 @@ def test_throughput_without_decode_and_table_of_one_model():
               "shapes": [{"batch": 2, "seq_len": 8, **row}]}
     rows = bench.comparison_rows({"original": result})
     assert [r["measure"] for r in rows][-1] == "prefill tok/s b2 s8" and all("compressed/original" not in r for r in rows)
+
+
+def test_peak_memory_is_this_process_not_its_parents(tmp_path):
+    """A process started by a large one reports its own peak: ru_maxrss would carry the parent's
+    over fork and exec (a benchmark that built a 5 GB model reported 5.98 GB for every child)."""
+    import subprocess
+    import sys
+
+    ballast = torch.ones(2**30 // 4)  # 1 GiB resident in this process
+    code = "import torch; from wscompress.report import peak_memory_mb; print(peak_memory_mb(torch.device('cpu')))"
+    child = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    from wscompress.report import peak_memory_mb
+
+    assert peak_memory_mb(torch.device("cpu")) > 1024 > child
+    del ballast

@@ -61,6 +61,23 @@ def to_markdown(title: str, payload: dict) -> str:
     return "\n".join(parts[:2] + scalars + [""] + parts[2:])
 
 
+def peak_memory_mb(device: torch.device | None = None) -> float:
+    """Peak CUDA allocation on a CUDA ``device`` (default: when CUDA is available), else this
+    process's peak resident memory, in MiB. On Linux from VmHWM: ``ru_maxrss`` survives fork and
+    exec, so a process started by a large one (a script that loaded a model, a worker pool)
+    would report its parent's peak."""
+    if (device.type == "cuda") if device is not None else torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
+    except (OSError, StopIteration):
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+        return peak / (2**20 if platform.system() == "Darwin" else 1024)
+
+
 def write(out_dir: str | Path, name: str, payload: dict, recipe: dict | None = None) -> Path:
     """Write reports/<name>.json and .md (by the first process of a launch only); returns the JSON path."""
     reports = Path(out_dir) / "reports"

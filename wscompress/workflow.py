@@ -131,15 +131,6 @@ def apply_stages(model: nn.Module, tokenizer, recipe: Recipe, workdir: str | Pat
     return rows
 
 
-def peak_memory_mb() -> float:
-    """Peak resident memory of this process (CPU) or peak CUDA allocation, in MiB."""
-    if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated() / 2**20
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
 def step_calibrate(recipe: Recipe) -> dict:
     """Collect input Gram matrices of every decoder-layer linear (and the output sensitivities
     when a stage allocates ranks) and save them for `compress`."""
@@ -159,7 +150,7 @@ def step_calibrate(recipe: Recipe) -> dict:
     out = {"folder": str(stats_dir(recipe)), "calibration": ctx.describe(), "modules": len(stats.owner),
            "gram_matrices": len(stats), "tokens": sum(b.numel() for b in ctx.calibration()),
            "processes": distributed.world()[1], "seconds": round(time.perf_counter() - start, 2),
-           "peak_memory_mb": round(peak_memory_mb(), 1)}
+           "peak_memory_mb": round(report.peak_memory_mb(), 1)}
     if distributed.is_main():
         report.write(recipe.out, "calibrate", out, recipe_dict(recipe))
     return out
@@ -176,7 +167,7 @@ def step_compress(recipe: Recipe) -> dict:
                          recipe.output.max_shard_size)
     out = {"model": str(model_path(recipe)), "original": original, "compressed": saved,
            "param_ratio": saved["params"] / original["params"], "stages": rows,
-           "peak_memory_mb": round(peak_memory_mb(), 1)}
+           "peak_memory_mb": round(report.peak_memory_mb(), 1)}
     report.write(recipe.out, "compress", out, recipe_dict(recipe))
     ui.show("compress", [{"model": "original", **original}, {"model": "compressed", **saved}])
     return out

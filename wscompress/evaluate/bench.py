@@ -96,12 +96,7 @@ def measure(model_cfg: ModelConfig, cfg: BenchConfig, quiet: bool = False) -> di
     with offload_of(model).running():  # offloaded layers are read as they run: the timings include that
         shapes = {(b, s): throughput(model, b, s, cfg) for b in ui.track(cfg.batch_sizes, "bench batch sizes")
                   for s in cfg.seq_lens}
-    if model_device(model).type == "cuda":
-        peak = torch.cuda.max_memory_allocated() / 2**20
-    else:
-        import resource
-
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak = report.peak_memory_mb(model_device(model))
     stats, file_bytes = storage.stats(model), weight_files_bytes(model_cfg)
     return {"params": stats["params"], "weights_mb": stats["tensor_bytes"] / 2**20,
             "resident_mb": storage.resident_bytes(model) / 2**20, "kernel": kernel_path(model),
