@@ -50,7 +50,7 @@ def test_throughput_without_decode_and_table_of_one_model():
     assert [r["measure"] for r in rows][-1] == "prefill tok/s b2 s8" and all("compressed/original" not in r for r in rows)
 
 
-def test_peak_memory_is_this_process_not_its_parents(tmp_path):
+def test_peak_memory_is_this_process_not_its_parents():
     """A process started by a large one reports its own peak: ru_maxrss would carry the parent's
     over fork and exec (a benchmark that built a 5 GB model reported 5.98 GB for every child)."""
     import subprocess
