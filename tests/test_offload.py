@@ -118,3 +118,34 @@ def test_nested_onloads_keep_a_layer_until_the_last_leaves(on_disk):
     assert resident_layers(model) == []
     with pytest.raises(UsageError):
         load_model(ModelConfig(path=str(Path(offload.folder)), offload="disk"))  # no checkpoint there
+
+
+def mapped_pages(t: torch.Tensor) -> int:
+    """How many of the whole pages under ``t`` this process has mapped (the present bit of
+    /proc/self/pagemap)."""
+    import mmap
+    import struct
+
+    page = mmap.PAGESIZE
+    begin = t.untyped_storage().data_ptr()
+    lo, hi = -(-begin // page), (begin + t.untyped_storage().nbytes()) // page
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek(lo * 8)
+        return sum(struct.unpack("Q", f.read(8))[0] >> 63 for _ in range(hi - lo))
+
+
+@pytest.mark.skipif(not Path("/proc/self/pagemap").exists(), reason="Linux only")
+def test_disk_offload_hands_the_embedding_pages_back_after_a_lookup(tiny_dir):
+    """The input embedding of a disk-offloaded model is read from the checkpoint's mapping for
+    a few rows; read-ahead would keep the whole table resident (most of 1 GB on a 1B model)."""
+    import os
+
+    model, _ = load_model(ModelConfig(path=str(tiny_dir("llama_mha", vocab_size=8192)), offload="disk"))  # 2 MB
+    os.sync()  # a checkpoint just written has dirty pages, which the kernel keeps; one on disk has none
+    table = model.get_input_embeddings().weight
+    table.sum()  # every page read
+    pages = mapped_pages(table)
+    assert pages > 500
+    with torch.no_grad(), offload_of(model).running():
+        model(X)
+    assert mapped_pages(table) < pages // 4  # best effort: pages still in a per-CPU LRU batch stay
