@@ -10,6 +10,7 @@ from typing import Callable, List, Optional
 import typer
 
 from . import ui
+from .memory import return_large_frees
 from .errors import UsageError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -155,6 +156,7 @@ def check(recipe: Path = RecipeArg, set: Optional[List[str]] = SetOpt, quiet: bo
 
 
 def main() -> None:
+    return_large_frees()
     app()
 
 

