@@ -27,3 +27,17 @@ def test_large_frees_go_back_to_the_system():
     rss = {mode: int(subprocess.run([sys.executable, "-c", CHILD, mode], capture_output=True, text=True,
                                     check=True).stdout) for mode in ("off", "on")}
     assert rss["on"] < rss["off"] - 200, rss
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/maps")
+def test_file_backed_tells_a_mapped_checkpoint_from_process_memory(tmp_path):
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from wscompress.memory import file_backed
+
+    save_file({"w": torch.ones(4096)}, tmp_path / "w.safetensors")
+    with safe_open(tmp_path / "w.safetensors", "pt") as f:  # safetensors maps the file
+        assert file_backed(f.get_tensor("w"))
+    assert not file_backed(torch.ones(4096))

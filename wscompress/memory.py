@@ -26,6 +26,23 @@ def page_out(t: torch.Tensor) -> None:
         _libc.madvise(lo, hi - lo, MADV_PAGEOUT)
 
 
+def file_backed(t: torch.Tensor) -> bool:
+    """Whether ``t`` lies in a mapping of a file (a memory-mapped checkpoint), from
+    /proc/self/maps; False where that cannot be read. Paging out anonymous memory would send it
+    to swap, so only file pages are handed back."""
+    address = t.untyped_storage().data_ptr()
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                fields = line.split()
+                lo, hi = (int(v, 16) for v in fields[0].split("-"))
+                if lo <= address < hi:
+                    return fields[4] != "0" and len(fields) > 5  # an inode and a path
+    except OSError:
+        pass
+    return False
+
+
 def return_large_frees(threshold: int = 4 << 20) -> None:
     """Make glibc serve allocations of ``threshold`` bytes or more from their own mappings, which
     go back to the system when freed. By default glibc raises that threshold to 32 MB after the

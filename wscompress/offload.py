@@ -30,7 +30,7 @@ from safetensors import safe_open
 from torch import nn
 
 from . import tensorio, ui
-from .memory import page_out
+from .memory import file_backed, page_out
 from .arch import Arch, discover
 
 Mode = Literal["none", "cpu", "disk"]
@@ -263,7 +263,7 @@ def prepare(model: nn.Module, mode: Mode, device: torch.device, files: list[Path
     if mode == "disk":
         offload.adopt(list(files))
         embed, head = model.get_input_embeddings(), model.get_output_embeddings()
-        if head is None or head.weight is not embed.weight:
+        if (head is None or head.weight is not embed.weight) and file_backed(embed.weight):
             # a lookup reads a few rows, but the kernel's read-ahead maps most of the table in
             # (380 MB of a 1B model's 400 MB for 1024 tokens): hand its pages back after each
             # forward (a tied table is read whole by the head anyway)
