@@ -52,7 +52,7 @@ def test_a_time_budget_ends_training_and_its_schedule(tmp_path, tokenizer):
     _, report = finetune(tiny_model("llama"), tokenizer, recipe(tmp_path, **opts))
     seconds = [h["seconds"] for h in report["history"]]
     assert 1 < report["steps"] < 100_000 and seconds == sorted(seconds)
-    assert seconds[-1] >= 1.2 > seconds[-2]  # stops at the first step past the budget
+    assert seconds[-1] >= 1.2 >= seconds[-2]  # stops at the first step past the budget (seconds rounded to ms)
     assert report["history"][-1]["lr"] < 0.01 * 3e-3 < report["history"][0]["lr"]  # the cosine decayed over the time
     assert "ppl" in report["history"][-1]  # the last step is evaluated even between eval_every steps
 
