@@ -171,10 +171,10 @@ def layerwise(student: nn.Module, teacher: nn.Module, batches: list[torch.Tensor
         if mine and steps:
             opt = torch.optim.Adam(mine, lr=lr)
             with torch.enable_grad():
-                for done in range(steps):
-                    if until is not None and done and time.perf_counter() >= until:
+                for step in range(steps):
+                    if until is not None and step and time.perf_counter() >= until:
                         break
-                    b = done % len(inputs.hidden)
+                    b = step % len(inputs.hidden)
                     args, kwargs = inputs.calls[b]
                     out = layer(inputs.hidden[b], *args, **kwargs)
                     out = out[0] if isinstance(out, tuple) else out
@@ -182,6 +182,7 @@ def layerwise(student: nn.Module, teacher: nn.Module, batches: list[torch.Tensor
                     loss.backward()
                     opt.step()
                     opt.zero_grad(set_to_none=True)
+                    done = step + 1
         after = error()
         if after > before:  # training did not help this layer on its own inputs: keep what it had
             with torch.no_grad():
