@@ -178,28 +178,49 @@ def _final_inputs(model, names, batches) -> dict[str, torch.Tensor]:
     return {n: torch.cat(x) for n, x in seen.items()}
 
 
-@pytest.mark.parametrize("ridge", [0.0, 0.1])
-def test_refit_is_the_official_update_on_the_inputs_each_module_finally_receives(tokenizer, ridge):
+def _layer_reference_inputs(model, base, names, batches) -> dict[str, torch.Tensor]:
+    """Each named module's inputs in the original layer fed what the finished model's layer receives."""
+    hooks = [compressed.register_forward_pre_hook(lambda _m, a, k, o=original: (o(*a, **k), None)[1], with_kwargs=True)
+             for compressed, original in zip(discover(model).layers, discover(base).layers)]
+    seen: dict[str, list[torch.Tensor]] = {}
+    hooks += [base.get_submodule(n).register_forward_hook(
+              lambda _m, a, _o, n=n: seen.setdefault(n, []).append(a[0].reshape(-1, a[0].shape[-1]).double()))
+              for n in names]
+    with torch.no_grad():
+        for batch in batches:
+            model(input_ids=batch, use_cache=False)  # a cache would take both layers' keys
+    for h in hooks:
+        h.remove()
+    return {n: torch.cat(x) for n, x in seen.items()}
+
+
+@pytest.mark.parametrize("target,ridge", [("function", 0.0), ("function", 0.1), ("layer", 0.0), ("model", 0.0)])
+def test_refit_is_the_least_squares_update_on_the_inputs_each_module_finally_receives(tokenizer, target, ridge):
     """Refit goes module by module in forward order: every coefficient matrix is the (ridge)
-    least-squares fit of the original module's function W·X' on exactly the inputs X' the
-    finished compressed model feeds it (o after q/k/v were refit, down after gate/up), pulled
-    toward the coefficients it had before; bases are untouched, and no module's own error on
-    those inputs is higher than before the refit."""
+    least-squares fit, on exactly the inputs X' the finished compressed model feeds it (o after
+    q/k/v were refit, down after gate/up), of the target X·W: the original module on X' itself
+    (function), on what it reads in the original layer fed the same layer input (layer) or in
+    the original model (model), pulled toward the coefficients it had before. Bases are
+    untouched, and no module misses its target by more than before the refit."""
     from wscompress.linalg import refit_coefficients
 
     batches = data.calibration_batches(tokenizer, CALIB["dataset"], 8, 64, 4, seed=0)
     base, plain, model = tiny_model("llama_mha"), tiny_model("llama_mha"), tiny_model("llama_mha")
     compress(plain, tokenizer, group_size=2, ratio=0.5)
-    compress(model, tokenizer, group_size=2, ratio=0.5, refit=True, ridge=ridge)
+    compress(model, tokenizer, group_size=2, ratio=0.5, refit=True, ridge=ridge, refit_target=target)
     names = [n for n, m in model.named_modules() if isinstance(m, LowRankLinear)]
     xs = _final_inputs(model, names, batches)
+    refs = {"function": xs, "model": _final_inputs(base, names, batches),
+            "layer": _layer_reference_inputs(model, base, names, batches) if target == "layer" else None}[target]
+    if target != "function":
+        assert any(not torch.allclose(refs[n], xs[n]) for n in names)  # the targets differ from the official update's
     for n in names:
         module, before = model.get_submodule(n), plain.get_submodule(n)
         torch.testing.assert_close(module.basis.weight, before.basis.weight)
-        w, x = base.get_submodule(n).weight.double(), xs[n]
-        want = refit_coefficients(w, module.basis.weight, x.T @ x, ridge=ridge, prior=before.coeff.weight)
+        w, x, ref = base.get_submodule(n).weight.double(), xs[n], refs[n]
+        want = refit_coefficients(w, module.basis.weight, x.T @ x, ref.T @ x, ridge=ridge, prior=before.coeff.weight)
         torch.testing.assert_close(module.coeff.weight.double(), want, rtol=1e-3, atol=1e-4, msg=n)
-        error = lambda m: (x @ (w - m.coeff.weight.double() @ m.basis.weight.double()).T).norm()  # noqa: E731
+        error = lambda m: (x @ (m.coeff.weight.double() @ m.basis.weight.double()).T - ref @ w.T).norm()  # noqa: E731
         assert error(module) <= error(before) * (1 + 1e-6), n
 
 

@@ -23,7 +23,8 @@ GOLDEN = Path(__file__).parent / "data" / "pipeline_logits.safetensors"
 CALIB = {"dataset": "pydoc", "num_samples": 8, "seq_len": 32, "batch_size": 2}
 RECIPES = {  # name -> stages; GOLDEN holds logits[..., :64] of each, computed before the pipeline existed
     "svd_fisher": [{"method": "svd", "ratio": 0.3, "sensitivity_samples": 4}],
-    "basis_sharing_refit": [{"method": "basis_sharing", "ratio": 0.3, "refit": True, "sensitivity_samples": 4}],
+    "basis_sharing_refit": [{"method": "basis_sharing", "ratio": 0.3, "refit": True, "refit_target": "function",
+                             "sensitivity_samples": 4}],
     "basis_sharing_uniform": [{"method": "basis_sharing", "ratio": 0.3, "allocation": "uniform", "refit": False}],
     "kmeans": [{"method": "kmeans", "bits": 3}],
 }
@@ -55,7 +56,9 @@ def resident_layers(model) -> list[int]:
     return [i for i, layer in enumerate(discover(model).layers) if any(not t.is_meta for t in layer.state_dict().values())]
 
 
-STAGED = {"basis_sharing_refit": RECIPES["basis_sharing_refit"],  # then k-means on the bases and coefficients:
+STAGED = {"basis_sharing_refit": [{"method": "basis_sharing", "ratio": 0.3, "sensitivity_samples": 4}],  # refit_target: layer
+          "basis_sharing_refit_function": RECIPES["basis_sharing_refit"],
+          # then k-means on the bases and coefficients:
           "basis_sharing_kmeans": RECIPES["basis_sharing_uniform"] + [{"method": "kmeans", "bits": 4}]}
 
 

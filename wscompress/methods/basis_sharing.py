@@ -14,8 +14,9 @@ SVD-LLM at every ratio, see scripts/bench_basis_sharing.py). The rank
 k = floor((1 - r)·n·d_in·d_out / (d_in + n·d_out)) removes ``ratio`` of the group's
 parameters. Private projections are compressed per layer at the same ratio (SVD-LLM).
 With ``refit: true`` every module's coefficients are then re-solved, module by module in
-forward order, so that fed what the compressed model produces it reproduces the original
-module's function on those same inputs (the official update step; see ``compensate``).
+forward order, so that fed what the compressed model produces it reproduces what the original
+layer computes from the same layer input (an extension of the official update step; see
+``compensate``).
 """
 
 from __future__ import annotations
@@ -182,7 +183,7 @@ def apply(model: nn.Module, cfg: BasisSharingConfig, ctx) -> dict:
                         built.update(build(g))
                 return {n: built.pop(n) for n in list(built) if chosen[n][0] == i}
 
-            refit_pass(model, arch, ctx.calibration(), layer, cfg.ridge)
+            refit_pass(model, arch, ctx.calibration(), layer, cfg.ridge, cfg.refit_target)
         else:
             for g, group in enumerate(offload.groups(groups, "basis sharing groups")):
                 for n, module in build(g).items():

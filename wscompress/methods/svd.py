@@ -18,7 +18,7 @@ from torch import nn
 from .. import kernels
 from ..allocation import Unit, allocate, spectrum
 from ..arch import Arch, Conv1D, dims_of, discover, distinct, get_module, match_modules, replace_everywhere, weight_of
-from ..compensate import refit_pass
+from ..compensate import Target, refit_pass
 from ..linalg import low_rank, rank_for_ratio
 from ..modules import CompressedLinear, register_module
 from ..offload import offload_of
@@ -91,6 +91,10 @@ class LowRankConfig(StageConfig):
                                            "(error compensation, see compensate.py)")
     ridge: float = Field(1e-3, ge=0, description="refit: ridge toward the unrefit coefficients, relative to the "
                                                   "mean diagonal of B·G·Bᵀ")
+    refit_target: Target = Field("layer", description="refit: what each module's output is fitted to: the "
+                                 "original layer's, fed the same layer input (layer; it won at every ratio of "
+                                 "the protocol), the original module on its compressed inputs (function, the "
+                                 "official update) or the original model's (model)")
 
     @model_validator(mode="after")
     def _ratio_or_rank(self):
@@ -168,7 +172,7 @@ def apply(model: nn.Module, cfg: SVDConfig, ctx) -> dict:
 
     with torch.no_grad():
         if cfg.refit:
-            refit_pass(model, arch, ctx.calibration(), build, cfg.ridge)
+            refit_pass(model, arch, ctx.calibration(), build, cfg.ridge, cfg.refit_target)
         else:
             for (i,) in offload.groups(layers, "svd layers"):
                 for name, module in build(i).items():
