@@ -41,11 +41,14 @@ FAST = {"sensitivity": "none", "error_feedback": False, "outliers": 0, "codebook
 LOW_RANK = {  # label -> stage; the ratio is filled in per column
     "SVD-LLM (svd, uniform)": {"method": "svd", **UNIFORM},
     "svd (default: fisher)": {"method": "svd"},
-    "svd fisher + refit": {"method": "svd", "refit": True},
+    "svd fisher + refit": {"method": "svd", "refit": True, "refit_target": "function"},
+    "svd fisher + refit_target: layer": {"method": "svd", "refit": True, "refit_target": "layer"},
     "Basis Sharing g2 (uniform)": {"method": "basis_sharing", "group_size": 2, "refit": False, **UNIFORM},
     "Basis Sharing g2 + refit (uniform)": {"method": "basis_sharing", "group_size": 2, "refit": True, **UNIFORM},
     "basis_sharing g2 fisher, no refit": {"method": "basis_sharing", "group_size": 2, "refit": False},
     "basis_sharing g2 (default: fisher + refit)": {"method": "basis_sharing", "group_size": 2},
+    "basis_sharing g2 refit_target: layer": {"method": "basis_sharing", "group_size": 2, "refit_target": "layer"},
+    "basis_sharing g2 refit_target: model": {"method": "basis_sharing", "group_size": 2, "refit_target": "model"},
 }
 CLUSTERING = {  # label -> stage; the bits are filled in per column
     "k-means per channel (plain)": {"method": "kmeans", **FAST},
@@ -53,7 +56,9 @@ CLUSTERING = {  # label -> stage; the bits are filled in per column
     "kmeans + sensitivity + feedback": {"method": "kmeans", "outliers": 0},
     "kmeans (default: + outliers, fp16 codebooks)": {"method": "kmeans"},
 }
-COMBINED = {  # label -> stages, at fixed settings: low-rank factors palettized in turn
+COMBINED = {  # label -> stages, at fixed settings: low-rank factors palettized in turn; soft sharing
+    "soft_share (defaults: window 4, rank 16, whitened deltas)": [{"method": "soft_share"}],
+    "soft_share, plain-SVD deltas": [{"method": "soft_share", "whitening": False}],
     "basis_sharing g2 20 % + kmeans 4-bit": [{"method": "basis_sharing", "group_size": 2, "ratio": 0.2, "refit": False},
                                             {"method": "kmeans", "bits": 4}],
     "basis_sharing g2 20 % + kmeans 3-bit": [{"method": "basis_sharing", "group_size": 2, "ratio": 0.2, "refit": False},

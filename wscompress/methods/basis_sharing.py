@@ -51,9 +51,6 @@ class BasisSharingConfig(LowRankConfig):
     group_size: int = Field(2, gt=0, description="consecutive layers sharing one basis per projection type")
     shared: list[Role] | None = Field(None, description="roles that share bases (default: per architecture)")
     private: list[Role] | None = Field(None, description="roles compressed per layer (default: the other roles)")
-    refit: bool = Field(True, description="re-solve coefficients on the compressed model's own activations (error "
-                                          "compensation, see compensate.py); on by default: it won at every ratio "
-                                          "on both texts of the protocol")
 
     @model_validator(mode="after")
     def _disjoint_roles(self):

@@ -87,8 +87,9 @@ class LowRankConfig(StageConfig):
     allocation: Allocation = Field("fisher", description="uniform: every matrix loses `ratio`; fisher: one "
                                    "budget, ranks where they cost the model's loss least (see allocation.py)")
     sensitivity_samples: int = Field(16, gt=0, description="fisher: calibration sequences for the sensitivities")
-    refit: bool = Field(False, description="re-solve coefficients on the compressed model's own activations "
-                                           "(error compensation, see compensate.py)")
+    refit: bool = Field(True, description="re-solve coefficients on the compressed model's own activations (error "
+                                          "compensation, see compensate.py); on by default (not for plain SVD, which "
+                                          "stays data-free): it won at every ratio on both texts of the protocol")
     ridge: float = Field(1e-3, ge=0, description="refit: ridge toward the unrefit coefficients, relative to the "
                                                   "mean diagonal of B·G·Bᵀ")
     refit_target: Target = Field("layer", description="refit: what each module's output is fitted to: the "
@@ -120,9 +121,11 @@ class SVDConfig(LowRankConfig):
 
     @model_validator(mode="after")
     def _plain_svd_is_data_free(self):
-        """Plain SVD needs no calibration data, so by default it keeps one ratio per matrix."""
+        """Plain SVD needs no calibration data, so by default it keeps one ratio per matrix and no refit."""
         if not self.whitening and "allocation" not in self.model_fields_set:
             self.allocation = "uniform"
+        if not self.whitening and "refit" not in self.model_fields_set:
+            self.refit = False
         return self
 
 
