@@ -202,3 +202,22 @@ def test_factors_are_balanced():
     for gram in (None, x.T.double() @ x.double()):
         coeff, basis, _ = low_rank(w, 8, gram)
         torch.testing.assert_close(coeff.norm(dim=0), basis.norm(dim=1))
+
+
+@pytest.mark.parametrize("through_outputs", [False, True])
+def test_refit_normal_equations_agree_by_either_route(through_outputs):
+    """The refit's normal equations summed through the input's Gram matrices or through each
+    module's outputs (the cheaper route for a wide input) give the least-squares coefficients."""
+    from wscompress.compensate import _Normals
+
+    torch.manual_seed(0)
+    x, w, basis = torch.randn(300, 40), torch.randn(12, 40), torch.randn(5, 40)
+    x_ref = x + 0.3 * torch.randn(300, 40)  # what the original layer feeds the module
+    normals = _Normals({"m": w}, {"m": basis}, same=False)
+    assert normals.through_outputs  # 40·(5 + 12) + 5·(12 + 2.5) < 1.5·40²: the outputs are cheaper here
+    normals.through_outputs = through_outputs
+    for rows in (slice(0, 100), slice(100, 300)):  # two batches
+        normals.add(x[rows], x_ref[rows])
+    c = normals.solve(0.0, {"m": None})["m"]
+    best = torch.linalg.lstsq((x @ basis.T).double(), (x_ref @ w.T).double()).solution.T
+    torch.testing.assert_close(c, best, atol=1e-6, rtol=1e-6)

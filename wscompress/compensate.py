@@ -39,7 +39,7 @@ from torch import nn
 
 from .arch import Arch, get_module, replace_everywhere, set_module, weight_of
 from .calibrate import LayerInputs, layerwise, run_layer
-from .linalg import add_gram, refit_coefficients, symmetrize
+from .linalg import add_gram, refit_coefficients, solve_coefficients, symmetrize
 from .offload import offload_of
 
 Target = Literal["function", "layer", "model"]
@@ -96,6 +96,52 @@ def _originals(model: nn.Module, originals: dict[str, nn.Module], new: dict[str,
             set_module(model, n, module)
 
 
+class _Normals:
+    """The normal equations of the refits of the modules that read one input X' (see
+    ``linalg.solve_coefficients``): A = B·X'ᵀX'·Bᵀ and R = W·XᵀX'·Bᵀ, summed batch by batch.
+
+    Two routes give the same sums. Through the input's Gram matrices, G' = X'ᵀX' and
+    H = XᵀX': ~1.5·d_in² multiply-adds a token (0.5·d_in² when X is X'), shared by the modules
+    reading X'. Through each module's outputs, A = ZᵀZ and R = YᵀZ with Z = X'·Bᵀ and
+    Y = X·Wᵀ: d_in·(k + d_out) + k·(d_out + k/2) a token. The cheaper one is taken: the outputs
+    for a wide input such as the down projection's (about 2.5x fewer at the ranks used), the
+    Gram matrices for the others."""
+
+    def __init__(self, weights: dict[str, torch.Tensor], bases: dict[str, torch.Tensor], same: bool):
+        self.weights, self.bases, self.same = weights, bases, same
+        d_in = next(iter(weights.values())).shape[1]
+        outputs = sum(d_in * (b.shape[0] + w.shape[0]) + b.shape[0] * (w.shape[0] + b.shape[0] / 2)
+                      for w, b in zip(weights.values(), bases.values()))
+        self.through_outputs = not same and outputs < 1.5 * d_in * d_in
+        self.gram: torch.Tensor | None = None
+        self.cross: torch.Tensor | None = None
+        self.a: dict[str, torch.Tensor] = {}
+        self.r: dict[str, torch.Tensor] = {}
+
+    def add(self, x: torch.Tensor, x_ref: torch.Tensor | None) -> None:
+        """One batch: what the modules read in the compressed model (x) and in the target
+        (x_ref; None when it is x)."""
+        x = x.double()
+        x_ref = x if x_ref is None else x_ref.double()
+        if not self.through_outputs:
+            self.gram = add_gram(self.gram, x)  # lower triangle
+            if not self.same:
+                self.cross = x_ref.T @ x if self.cross is None else self.cross.addmm_(x_ref.T, x)
+            return
+        for n, w in self.weights.items():
+            z, y = x @ self.bases[n].double().T, x_ref @ w.double().T
+            self.a[n] = add_gram(self.a.get(n), z)
+            self.r[n] = y.T @ z if n not in self.r else self.r[n].addmm_(y.T, z)
+
+    def solve(self, ridge: float, priors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Each module's refit coefficients (float64)."""
+        if self.through_outputs:
+            return {n: solve_coefficients(symmetrize(self.a[n]), self.r[n], ridge, priors[n]) for n in self.weights}
+        gram = symmetrize(self.gram)
+        return {n: refit_coefficients(w, self.bases[n], gram, self.cross, ridge=ridge, prior=priors[n])
+                for n, w in self.weights.items()}
+
+
 @torch.no_grad()
 def refit_pass(model: nn.Module, arch: Arch, batches: list[torch.Tensor], build: Callable[[int], dict[str, nn.Module]],
                ridge: float, target: Target) -> None:
@@ -118,19 +164,24 @@ def refit_pass(model: nn.Module, arch: Arch, batches: list[torch.Tensor], build:
         ref_inputs = LayerInputs(reference or inputs.hidden, inputs.calls)
         pending = dict(new)
         while pending:
+            # The layer's first modules read the same input in the compressed and the original
+            # layer when the target is the layer: nothing compressed has run before them.
+            same = target == "function" or (target == "layer" and len(pending) == len(new))
             first, ref = FirstInput(pending), FirstInput({n: originals[n] for n in pending})
-            gram = cross = None
+            normals: _Normals | None = None
             for b, (hidden, (args, kwargs)) in enumerate(zip(inputs.hidden, inputs.calls)):
                 x = first(layer, hidden, args, kwargs)
-                gram = add_gram(gram, x)  # lower triangle
-                if target != "function":
+                x_ref = None
+                if not same:
                     with _originals(model, originals, new):
                         x_ref = ref(layer, ref_inputs.hidden[b], args, kwargs)
-                    cross = (x_ref.double().T @ x.double()) if cross is None else cross.addmm_(x_ref.double().T, x.double())
-            symmetrize(gram)
-            for n in first.names:
-                c0 = pending.pop(n).coeff.weight
-                c0.copy_(refit_coefficients(weights[n], new[n].basis.weight, gram, cross, ridge=ridge, prior=c0))
+                if normals is None:
+                    names = first.names
+                    normals = _Normals({n: weights[n] for n in names}, {n: new[n].basis.weight for n in names}, same)
+                normals.add(x, x_ref)
+            coeffs = normals.solve(ridge, {n: new[n].coeff.weight for n in first.names})
+            for n, c in coeffs.items():
+                pending.pop(n).coeff.weight.copy_(c)
         if target == "model":
             with _originals(model, originals, new):
                 reference = run_layer(layer, ref_inputs)

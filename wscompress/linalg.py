@@ -139,14 +139,19 @@ def refit_coefficients(w: torch.Tensor, basis: torch.Tensor, gram: torch.Tensor,
     """Coefficients C of a fixed basis B such that the compressed layer fed X' best reproduces
     the original weight W fed X: argmin ‖X'·Bᵀ·Cᵀ - X·Wᵀ‖² + λ‖C - C₀‖², i.e.
     (W·XᵀX'·Bᵀ + λ·C₀)·(B·X'ᵀX'·Bᵀ + λ·I)⁻¹, given ``gram`` = X'ᵀX' and ``cross`` = XᵀX'
-    (default X = X'). λ = ``ridge`` · tr(B·X'ᵀX'·Bᵀ)/k pulls toward ``prior`` C₀ (default 0);
-    a tiny floor keeps the solve defined when B·X' is rank-deficient. Float64."""
+    (default X = X'); see ``solve_coefficients`` for λ. Float64."""
     w, basis, gram = w.double(), basis.double(), gram.to(w.device).double()
     cross = gram if cross is None else cross.to(w.device).double()
-    a = basis @ gram @ basis.T
+    return solve_coefficients(basis @ gram @ basis.T, w @ cross @ basis.T, ridge, prior)
+
+
+def solve_coefficients(a: torch.Tensor, r: torch.Tensor, ridge: float = 0.0, prior: torch.Tensor | None = None) -> torch.Tensor:
+    """C = (R + λ·C₀)·(A + λ·I)⁻¹ from the normal equations of a coefficient refit,
+    A = B·X'ᵀX'·Bᵀ (k, k) and R = W·XᵀX'·Bᵀ (out, k). λ = ``ridge`` · tr(A)/k pulls toward
+    ``prior`` C₀ (default 0); a tiny floor keeps the solve defined when B·X' is rank-deficient."""
+    a, r = a.double(), r.double()
     lam = max(ridge, 1e-10) * a.diagonal().mean().clamp_min(1e-12)
-    b = w @ cross @ basis.T
     if prior is not None:
-        b = b + lam * prior.double()
+        r = r + lam * prior.double()
     a = a + lam * torch.eye(a.shape[0], dtype=a.dtype, device=a.device)
-    return torch.linalg.solve(a, b.T).T
+    return torch.linalg.solve(a, r.T).T
