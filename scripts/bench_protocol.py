@@ -48,6 +48,8 @@ LOW_RANK = {  # label -> stage; the ratio is filled in per column
     "basis_sharing g2 fisher, no refit": {"method": "basis_sharing", "group_size": 2, "refit": False},
     "basis_sharing g2 (default: fisher + refit)": {"method": "basis_sharing", "group_size": 2},
     "basis_sharing g2 refit_target: layer": {"method": "basis_sharing", "group_size": 2, "refit_target": "layer"},
+    "basis_sharing g2, refit_samples: 16": {"method": "basis_sharing", "group_size": 2, "refit_samples": 16},
+    "basis_sharing g2, refit_samples: 32": {"method": "basis_sharing", "group_size": 2, "refit_samples": 32},
     "basis_sharing g2 refit_target: model": {"method": "basis_sharing", "group_size": 2, "refit_target": "model"},
 }
 CLUSTERING = {  # label -> stage; the bits are filled in per column

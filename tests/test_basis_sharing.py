@@ -194,20 +194,22 @@ def _layer_reference_inputs(model, base, names, batches) -> dict[str, torch.Tens
     return {n: torch.cat(x) for n, x in seen.items()}
 
 
-@pytest.mark.parametrize("target,ridge", [("function", 0.0), ("function", 0.1), ("layer", 0.0), ("model", 0.0)])
-def test_refit_is_the_least_squares_update_on_the_inputs_each_module_finally_receives(tokenizer, target, ridge):
+@pytest.mark.parametrize("target,ridge,samples", [("function", 0.0, None), ("function", 0.1, None), ("layer", 0.0, None),
+                                                   ("model", 0.0, None), ("layer", 0.0, 4)])
+def test_refit_is_the_least_squares_update_on_the_inputs_each_module_finally_receives(tokenizer, target, ridge, samples):
     """Refit goes module by module in forward order: every coefficient matrix is the (ridge)
     least-squares fit, on exactly the inputs X' the finished compressed model feeds it (o after
     q/k/v were refit, down after gate/up), of the target X·W: the original module on X' itself
     (function), on what it reads in the original layer fed the same layer input (layer) or in
     the original model (model), pulled toward the coefficients it had before. Bases are
-    untouched, and no module misses its target by more than before the refit."""
+    untouched, and no module misses its target by more than before the refit. With
+    ``refit_samples`` the fit is on the first sequences only."""
     from wscompress.linalg import refit_coefficients
 
-    batches = data.calibration_batches(tokenizer, CALIB["dataset"], 8, 64, 4, seed=0)
+    batches = data.first_samples(data.calibration_batches(tokenizer, CALIB["dataset"], 8, 64, 4, seed=0), samples)
     base, plain, model = tiny_model("llama_mha"), tiny_model("llama_mha"), tiny_model("llama_mha")
     compress(plain, tokenizer, group_size=2, ratio=0.5)
-    compress(model, tokenizer, group_size=2, ratio=0.5, refit=True, ridge=ridge, refit_target=target)
+    compress(model, tokenizer, group_size=2, ratio=0.5, refit=True, ridge=ridge, refit_target=target, refit_samples=samples)
     names = [n for n, m in model.named_modules() if isinstance(m, LowRankLinear)]
     xs = _final_inputs(model, names, batches)
     refs = {"function": xs, "model": _final_inputs(base, names, batches),

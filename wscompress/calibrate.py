@@ -27,6 +27,7 @@ from transformers.cache_utils import Cache
 
 from . import linalg, ui
 from .arch import Arch, discover, get_module
+from .data import first_samples
 from .errors import UsageError
 from .model import model_device
 from .offload import offload_of
@@ -265,8 +266,8 @@ def output_sensitivity(model: nn.Module, names: list[str], batches: list[torch.T
     modules = {n: get_module(model, n) for n in names}
     sums = {id(m): torch.zeros((), dtype=torch.float64) for m in modules.values()}
     rank, size = world()
-    rows = torch.cat(batches)[:samples]
-    tokens = rows.numel()
+    rows = first_samples(batches, samples)
+    tokens = sum(b.numel() for b in rows)
 
     def observe(module, _args, out):
         def square(g: torch.Tensor) -> None:
@@ -279,7 +280,7 @@ def output_sensitivity(model: nn.Module, names: list[str], batches: list[torch.T
         for m in {id(m): m for m in modules.values()}.values():
             stack.callback(m.register_forward_hook(observe).remove)
         stack.enter_context(frozen(model))  # a graph without weight gradients
-        for chunk in ui.track(rows[rank::size].split(batches[0].shape[0]), "output sensitivity"):
+        for chunk in ui.track(torch.cat(rows)[rank::size].split(len(rows[0])), "output sensitivity"):
             hidden, calls = capture_inputs(model, arch, [chunk])
             inputs = []
             with torch.no_grad():

@@ -171,6 +171,13 @@ def sample_batches(ids: torch.Tensor, num_samples: int, seq_len: int, batch_size
     return list(rows.split(batch_size))
 
 
+def first_samples(batches: list[torch.Tensor], n: int | None) -> list[torch.Tensor]:
+    """The first ``n`` sequences of ``batches`` (all with None), in batches of the same size."""
+    if n is None or n >= sum(len(b) for b in batches):
+        return batches
+    return list(torch.cat(batches)[:n].split(len(batches[0])))
+
+
 def calibration_batches(tokenizer, source: str, num_samples: int, seq_len: int, batch_size: int, seed: int,
                         bos: Bos = "none", sampling: Sampling = "uniform") -> list[torch.Tensor]:
     mode = resolve_bos(tokenizer, bos)

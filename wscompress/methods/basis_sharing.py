@@ -30,6 +30,7 @@ from torch import nn
 from ..allocation import Unit, allocate, spectrum
 from ..arch import Arch, dims_of, discover, get_module, require_unshared, set_module, weight_of
 from ..compensate import refit_pass
+from ..data import first_samples
 from ..errors import UsageError
 from ..linalg import low_rank, refit_coefficients
 from ..modules import register_module
@@ -180,7 +181,7 @@ def apply(model: nn.Module, cfg: BasisSharingConfig, ctx) -> dict:
                         built.update(build(g))
                 return {n: built.pop(n) for n in list(built) if chosen[n][0] == i}
 
-            refit_pass(model, arch, ctx.calibration(), layer, cfg.ridge, cfg.refit_target)
+            refit_pass(model, arch, first_samples(ctx.calibration(), cfg.refit_samples), layer, cfg.ridge, cfg.refit_target)
         else:
             for g, group in enumerate(offload.groups(groups, "basis sharing groups")):
                 for n, module in build(g).items():

@@ -19,6 +19,7 @@ from .. import kernels
 from ..allocation import Unit, allocate, spectrum
 from ..arch import Arch, Conv1D, dims_of, discover, distinct, get_module, match_modules, replace_everywhere, weight_of
 from ..compensate import Target, refit_pass
+from ..data import first_samples
 from ..linalg import low_rank, rank_for_ratio
 from ..modules import CompressedLinear, register_module
 from ..offload import offload_of
@@ -90,6 +91,8 @@ class LowRankConfig(StageConfig):
     refit: bool = Field(True, description="re-solve coefficients on the compressed model's own activations (error "
                                           "compensation, see compensate.py); on by default (not for plain SVD, which "
                                           "stays data-free): it won at every ratio on both texts of the protocol")
+    refit_samples: int | None = Field(None, gt=0, description="refit: the first N calibration sequences it fits "
+                                      "on (default: all)")
     ridge: float = Field(1e-3, ge=0, description="refit: ridge toward the unrefit coefficients, relative to the "
                                                   "mean diagonal of B·G·Bᵀ")
     refit_target: Target = Field("layer", description="refit: what each module's output is fitted to: the "
@@ -175,7 +178,7 @@ def apply(model: nn.Module, cfg: SVDConfig, ctx) -> dict:
 
     with torch.no_grad():
         if cfg.refit:
-            refit_pass(model, arch, ctx.calibration(), build, cfg.ridge, cfg.refit_target)
+            refit_pass(model, arch, first_samples(ctx.calibration(), cfg.refit_samples), build, cfg.ridge, cfg.refit_target)
         else:
             for (i,) in offload.groups(layers, "svd layers"):
                 for name, module in build(i).items():
