@@ -61,8 +61,8 @@ CLUSTERING = {  # label -> stage; the bits are filled in per column
     "kmeans (default: + outliers, fp16 codebooks)": {"method": "kmeans"},
 }
 COMBINED = {  # label -> stages, at fixed settings: low-rank factors palettized in turn; soft sharing
-    "soft_share (defaults: window 4, rank 16, whitened deltas)": [{"method": "soft_share"}],
-    "soft_share, plain-SVD deltas": [{"method": "soft_share", "whitening": False}],
+    "soft_share (defaults: window 4, rank 16, plain-SVD deltas)": [{"method": "soft_share"}],
+    "soft_share, whitened deltas": [{"method": "soft_share", "whitening": True}],
     "basis_sharing g2 20 % + kmeans 4-bit": [{"method": "basis_sharing", "group_size": 2, "ratio": 0.2, "refit": False},
                                             {"method": "kmeans", "bits": 4}],
     "basis_sharing g2 20 % + kmeans 3-bit": [{"method": "basis_sharing", "group_size": 2, "ratio": 0.2, "refit": False},

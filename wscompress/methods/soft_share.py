@@ -6,9 +6,10 @@ unrelated neurons. First the neurons of every layer in the window are aligned to
 window's first layer: the correlation of their calibration activations (the inputs of the
 down projection) is matched by the Hungarian algorithm, and each layer's gate/up rows and
 down columns are permuted accordingly (which leaves its function unchanged). Then W_c is
-the mean of the aligned weights and A_l B_l the truncated SVD of W_l - W_c, by default
-whitened with the layer's input Gram matrix (as SVD-LLM does for whole weights), so the delta
-keeps what matters on real activations rather than in the weights. The window's
+the mean of the aligned weights and A_l B_l the truncated SVD of W_l - W_c, or with
+``whitening`` that SVD whitened by the layer's input Gram matrix (as SVD-LLM does for whole
+weights), so the delta keeps what matters on the calibration activations (it wins on text
+like the calibration text and loses on other text, so it is not the default). The window's
 position is searched by the calibration loss of the soft-shared model, estimated on
 ``search_samples`` sequences at ``search_positions`` fixed random positions each (the LM head
 runs on those only: on a 262k vocabulary it would cost more than the rest of the search).
@@ -85,8 +86,9 @@ class SoftShareConfig(StageConfig):
     search_positions: int = Field(64, ge=1, description="next-token predictions scored per sequence (a fixed "
                                                        "random subset: the LM head runs on these only)")
     samples_per_batch: int = Field(256, ge=8, description="token rows per calibration batch used to correlate neurons")
-    whitening: bool = Field(True, description="deltas by whitened SVD on each layer's input Gram (activation-aware); "
-                                              "false: plain SVD of W_l - W_c")
+    whitening: bool = Field(False, description="true: deltas by whitened SVD on each layer's input Gram (activation-"
+                                               "aware); false (default): plain SVD of W_l - W_c. On the protocol the "
+                                               "whitened deltas won on the calibration domain and lost on brown.txt")
 
 
 def ffn_names(arch: Arch, i: int) -> dict[str, str]:
