@@ -108,7 +108,9 @@ class _Normals:
     Gram matrices for the others."""
 
     def __init__(self, weights: dict[str, torch.Tensor], bases: dict[str, torch.Tensor], same: bool):
-        self.weights, self.bases, self.same = weights, bases, same
+        self.weights = {n: w.double() for n, w in weights.items()}
+        self.bases = {n: b.double() for n, b in bases.items()}
+        self.same = same
         d_in = next(iter(weights.values())).shape[1]
         outputs = sum(d_in * (b.shape[0] + w.shape[0]) + b.shape[0] * (w.shape[0] + b.shape[0] / 2)
                       for w, b in zip(weights.values(), bases.values()))
@@ -129,7 +131,7 @@ class _Normals:
                 self.cross = x_ref.T @ x if self.cross is None else self.cross.addmm_(x_ref.T, x)
             return
         for n, w in self.weights.items():
-            z, y = x @ self.bases[n].double().T, x_ref @ w.double().T
+            z, y = x @ self.bases[n].T, x_ref @ w.T
             self.a[n] = add_gram(self.a.get(n), z)
             self.r[n] = y.T @ z if n not in self.r else self.r[n].addmm_(y.T, z)
 
