@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 
@@ -224,6 +225,29 @@ def test_refit_is_the_least_squares_update_on_the_inputs_each_module_finally_rec
         torch.testing.assert_close(module.coeff.weight.double(), want, rtol=1e-3, atol=1e-4, msg=n)
         error = lambda m: (x @ (m.coeff.weight.double() @ m.basis.weight.double()).T - ref @ w.T).norm()  # noqa: E731
         assert error(module) <= error(before) * (1 + 1e-6), n
+
+
+@pytest.mark.parametrize("kind,target", [("llama", "layer"), ("llama", "model"), ("gpt2", "layer"), ("opt", "layer")])
+def test_refit_replays_finished_blocks_without_changing_the_result(tokenizer, monkeypatch, kind, target):
+    """The refit replays a block whose modules are all refit (the attention block) instead of
+    recomputing it: the attention blocks run fewer times and every coefficient is the same as
+    when each stage recomputes the layer."""
+    from wscompress import compensate
+
+    def run(replay: bool) -> tuple[torch.nn.Module, int]:
+        if not replay:
+            monkeypatch.setattr(compensate._Replays, "__call__", lambda *_a, **_k: contextlib.nullcontext())
+        model, calls = tiny_model(kind), [0]
+        for block in (m for n, m in model.named_modules() if n.endswith(("self_attn", ".attn"))):
+            block.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+        compress(model, tokenizer, group_size=2, ratio=0.5, refit=True, refit_target=target)
+        monkeypatch.undo()
+        return model, calls[0]
+
+    (replayed, fewer), (recomputed, more) = run(True), run(False)
+    assert fewer < more
+    for (n, a), b in zip(replayed.state_dict().items(), recomputed.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=n)
 
 
 @pytest.mark.slow

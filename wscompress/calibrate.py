@@ -15,7 +15,7 @@ its share of the calibration batches and the statistics are summed over ranks wi
 
 from __future__ import annotations
 
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
@@ -51,11 +51,12 @@ class LayerInputs:
 
     hidden: list[torch.Tensor]
     calls: list[Call]
+    outputs: list[torch.Tensor] | None = None  # set by a caller of ``layerwise`` that computed them
 
 
-class _Stub(nn.Module):
-    """Stands in for a decoder layer without computing it. Attribute reads the model makes of
-    its layers (e.g. ``attention_type``) reach the layer."""
+class Stub(nn.Module):
+    """Stands in for a module (a decoder layer, an attention block) without computing it.
+    Attribute reads the model makes of it (e.g. a layer's ``attention_type``) reach the module."""
 
     def __init__(self, layer: nn.Module):
         super().__init__()
@@ -68,7 +69,7 @@ class _Stub(nn.Module):
             return getattr(super().__getattr__("layer"), name)
 
 
-class _Recorder(_Stub):
+class _Recorder(Stub):
     """Records the arguments the model passes its layer and hands the hidden states on."""
 
     def __init__(self, layer: nn.Module, calls: list[Call], hidden: list[torch.Tensor] | None, last: bool):
@@ -86,7 +87,7 @@ class _Recorder(_Stub):
         return hidden
 
 
-class _Replay(_Stub):
+class _Replay(Stub):
     """Returns the given hidden states (one a batch, in turn) instead of its layer's output;
     with none given, hands its input on."""
 
@@ -139,11 +140,13 @@ def capture_inputs(model: nn.Module, arch: Arch, batches: list[torch.Tensor]) ->
 
 
 @torch.no_grad()
-def run_layer(layer: nn.Module, inputs: LayerInputs) -> list[torch.Tensor]:
-    """Outputs of one decoder layer for every cached batch."""
+def run_layer(layer: nn.Module, inputs: LayerInputs,
+              around: Callable[[int], AbstractContextManager] = lambda _batch: nullcontext()) -> list[torch.Tensor]:
+    """Outputs of one decoder layer for every cached batch, batch b run inside ``around(b)``."""
     outs = []
-    for hidden, (args, kwargs) in zip(inputs.hidden, inputs.calls):
-        out = layer(hidden, *args, **kwargs)
+    for b, (hidden, (args, kwargs)) in enumerate(zip(inputs.hidden, inputs.calls)):
+        with around(b):
+            out = layer(hidden, *args, **kwargs)
         outs.append(out[0] if isinstance(out, tuple) else out)
     return outs
 
@@ -154,7 +157,9 @@ def layerwise(model: nn.Module, batches: list[torch.Tensor], arch: Arch | None =
 
     The caller may observe the layer (hooks) or even replace its weights while it holds it;
     after the caller's step the layer runs on the inputs to produce the next layer's inputs,
-    so a layer compressed in the loop feeds the compressed activations forward.
+    so a layer compressed in the loop feeds the compressed activations forward. A caller that
+    computed those outputs itself hands them back in ``inputs.outputs`` and the layer does not
+    run again.
     """
     arch = arch or discover(model)
     offload = offload_of(model)
@@ -163,7 +168,7 @@ def layerwise(model: nn.Module, batches: list[torch.Tensor], arch: Arch | None =
         with offload.onload([i]):
             layer, inputs = arch.layers[i], LayerInputs(hidden, calls[i])
             yield i, layer, inputs
-            hidden = run_layer(layer, inputs)
+            hidden = run_layer(layer, inputs) if inputs.outputs is None else inputs.outputs
         calls[i] = []  # layer i's arguments are done with
 
 

@@ -25,20 +25,24 @@ it, and chasing it costs fit on the inputs it does see. ``layer`` and ``model`` 
 layer too, so the pass takes about twice as long as with ``function``.
 
 Layers go in order and, inside a layer, modules in forward order (q/k/v, o, gate/up, down),
-each fitted on inputs that already reflect the refits before it. One layer's activations (two
-with ``model``) and one module's matrices are held at a time.
+each fitted on inputs that already reflect the refits before it. Each stage runs the layer only
+as far as its modules' input, and a block whose modules are all refit (the attention block once
+o is) is computed once a batch and replayed after: its input and weights no longer change. One
+layer's activations (two with ``model``), its attention outputs and one module's matrices are
+held at a time.
 """
 
 from __future__ import annotations
 
 from contextlib import ExitStack, contextmanager
-from typing import Callable, Iterator, Literal
+from typing import Callable, Collection, Iterable, Iterator, Literal
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from .arch import Arch, get_module, replace_everywhere, set_module, weight_of
-from .calibrate import LayerInputs, layerwise, run_layer
+from .calibrate import LayerInputs, Stub, layerwise, run_layer
 from .linalg import add_gram, refit_coefficients, solve_coefficients, symmetrize
 from .offload import offload_of
 
@@ -51,9 +55,11 @@ class _Seen(Exception):
 
 class FirstInput:
     """Runs a layer on one batch only as far as ``modules`` (name -> module) read their first
-    input: which of them read it (in forward order) and that input, as (tokens, d). The
-    forward ends where one of ``modules`` reads another tensor: what comes after is not needed
-    (the refit of a layer's first modules costs almost no compute)."""
+    input: which of them read it (in forward order) and that input, as (tokens, d). On the
+    first batch the forward ends where one of ``modules`` reads another tensor, which is how
+    the group reading the input is found; on later batches it ends as soon as the input is
+    read. What comes after is not needed (the refit of a layer's first modules costs almost no
+    compute)."""
 
     def __init__(self, modules: dict[str, nn.Module]):
         self.modules = modules
@@ -65,6 +71,8 @@ class FirstInput:
             x = args[0]
             if self.x is None:
                 self.x = x
+                if self.names:  # the group is known: the forward reaches its input in the same order
+                    raise _Seen
             if x.data_ptr() != self.x.data_ptr():
                 raise _Seen
             if name not in self.names:
@@ -82,6 +90,51 @@ class FirstInput:
                 pass
         x, self.x = self.x, None
         return x.reshape(-1, x.shape[-1])
+
+
+class _Saved(Stub):
+    """Returns a recorded output instead of computing its module."""
+
+    def __init__(self, module: nn.Module, out: object):
+        super().__init__(module)
+        self.out = out
+
+    def forward(self, *_args, **_kwargs) -> object:
+        return _copy(self.out)  # a copy: the layer may change what it gets in place
+
+
+def _copy(out: object) -> object:
+    return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, out)
+
+
+class _Replays:
+    """Outputs of a layer's blocks (its direct children, e.g. the attention block) whose
+    compressed modules are all refit, recorded the first time a stage runs them and replayed by
+    the stages after, one per stream ("compressed", "original") and batch. Their inputs do not
+    change either: a block that has finished ran wholly before the modules still pending."""
+
+    def __init__(self, layer: nn.Module, prefix: str, new: Iterable[str]):
+        self.layer = layer
+        self.owns: dict[str, set[str]] = {}  # block -> its compressed modules
+        for n in new:
+            self.owns.setdefault(n[len(prefix):].split(".")[0], set()).add(n)
+        self.saved: dict[tuple[str, str, int], object] = {}
+
+    @contextmanager
+    def __call__(self, stream: str, batch: int, pending: Collection[str], record: bool = True) -> Iterator[None]:
+        """Inside the block, the finished blocks replay their outputs for this stream and batch,
+        or (``record``) save them as they run."""
+        finished = [b for b, names in self.owns.items() if names.isdisjoint(pending)]
+        with ExitStack() as stack:
+            for block in finished:
+                module, key = getattr(self.layer, block), (stream, block, batch)
+                if key in self.saved:
+                    setattr(self.layer, block, _Saved(module, self.saved[key]))
+                    stack.callback(setattr, self.layer, block, module)
+                elif record:
+                    hook = module.register_forward_hook(lambda _m, _a, out, key=key: self.saved.__setitem__(key, _copy(out)))
+                    stack.callback(hook.remove)
+            yield
 
 
 @contextmanager
@@ -164,6 +217,7 @@ def refit_pass(model: nn.Module, arch: Arch, batches: list[torch.Tensor], build:
             replace_everywhere(model, originals[n], module)
         offload.refresh([i])  # a basis shared with an earlier layer of its group may rest elsewhere
         ref_inputs = LayerInputs(reference or inputs.hidden, inputs.calls)
+        replays = _Replays(layer, arch.layer_name(i) + ".", new)
         pending = dict(new)
         while pending:
             # The layer's first modules read the same input in the compressed and the original
@@ -172,10 +226,11 @@ def refit_pass(model: nn.Module, arch: Arch, batches: list[torch.Tensor], build:
             first, ref = FirstInput(pending), FirstInput({n: originals[n] for n in pending})
             normals: _Normals | None = None
             for b, (hidden, (args, kwargs)) in enumerate(zip(inputs.hidden, inputs.calls)):
-                x = first(layer, hidden, args, kwargs)
+                with replays("compressed", b, pending):
+                    x = first(layer, hidden, args, kwargs)
                 x_ref = None
                 if not same:
-                    with _originals(model, originals, new):
+                    with _originals(model, originals, new), replays("original", b, pending):
                         x_ref = ref(layer, ref_inputs.hidden[b], args, kwargs)
                 if normals is None:
                     names = first.names
@@ -184,6 +239,7 @@ def refit_pass(model: nn.Module, arch: Arch, batches: list[torch.Tensor], build:
             coeffs = normals.solve(ridge, {n: new[n].coeff.weight for n in first.names})
             for n, c in coeffs.items():
                 pending.pop(n).coeff.weight.copy_(c)
+        inputs.outputs = run_layer(layer, inputs, lambda b: replays("compressed", b, (), record=False))
         if target == "model":
             with _originals(model, originals, new):
-                reference = run_layer(layer, ref_inputs)
+                reference = run_layer(layer, ref_inputs, lambda b: replays("original", b, (), record=False))
