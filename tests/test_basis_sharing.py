@@ -227,7 +227,8 @@ def test_refit_is_the_least_squares_update_on_the_inputs_each_module_finally_rec
         assert error(module) <= error(before) * (1 + 1e-6), n
 
 
-@pytest.mark.parametrize("kind,target", [("llama", "layer"), ("llama", "model"), ("gpt2", "layer"), ("opt", "layer")])
+@pytest.mark.parametrize("kind,target", [("llama", "layer"), ("llama", "model"), ("gpt2", "layer"), ("opt", "layer"),
+                                         ("qwen2", "layer"), ("gemma3", "layer")])
 def test_refit_replays_finished_blocks_without_changing_the_result(tokenizer, monkeypatch, kind, target):
     """The refit replays a block whose modules are all refit (the attention block) instead of
     recomputing it: the attention blocks run fewer times and every coefficient is the same as
