@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -27,6 +28,36 @@ def test_large_frees_go_back_to_the_system():
     rss = {mode: int(subprocess.run([sys.executable, "-c", CHILD, mode], capture_output=True, text=True,
                                     check=True).stdout) for mode in ("off", "on")}
     assert rss["on"] < rss["off"] - 200, rss
+
+
+HUGE = """
+import sys
+from wscompress.memory import tensors_on_huge_pages
+if sys.argv[1] == "on":
+    tensors_on_huge_pages()
+import torch
+t = torch.ones(16 << 20)  # 64 MB
+address, flags = t.data_ptr(), None
+for line in open("/proc/self/smaps"):
+    head = line.split()
+    if "-" in head[0] and ":" not in head[0]:
+        lo, hi = (int(v, 16) for v in head[0].split("-"))
+        inside = lo <= address < hi
+    elif inside and head[0] == "VmFlags:":
+        flags = head[1:]
+print("hg" in flags)
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"),
+                    reason="a kernel with transparent huge pages")
+def test_large_tensors_are_advised_onto_huge_pages():
+    """What the CLI sets up before torch loads makes torch madvise(MADV_HUGEPAGE) its large
+    tensors (VmFlags ``hg``); torch's own default does not."""
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    advised = {mode: subprocess.run([sys.executable, "-c", HUGE, mode], capture_output=True, text=True,
+                                    check=True, env=env).stdout.strip() for mode in ("off", "on")}
+    assert advised == {"off": "False", "on": "True"}
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/maps")
