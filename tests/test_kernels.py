@@ -126,3 +126,65 @@ def test_low_rank_model_decodes_like_the_reference_path(tokenizer, monkeypatch, 
         out = model(input_ids=ids, use_cache=True)
         torch.testing.assert_close(model(input_ids=ids[:, :1] + 1, past_key_values=out.past_key_values).logits, step,
                                    rtol=1e-4, atol=1e-4)
+
+
+
+INTERPRETED = """
+import sys
+import torch
+import torch.nn.functional as F
+from test_kernels import layer
+from wscompress import kernels
+from wscompress.kernels import lut_triton
+
+kernels.palettized_linear = kernels._gpu_linear  # route layers to the Triton kernel on CPU tensors
+kernels._load_triton = lambda: (lut_triton, "interpreted")
+for bits, group_size, outliers in [(4, 1, 0), (4, 16, 5), (3, 1, 7), (2, 8, 0), (5, 1, 3), (8, 4, 0), (6, 48, 0)]:
+    for dtype, tol in [(torch.float32, 1e-4), (torch.float16, 2e-2)]:  # float16: output rounding
+        lin = layer(bits, group_size, inp=600, outliers=outliers).to(dtype)
+        for rows in (1, 3, kernels.DECODE_ROWS):
+            x = torch.randn(rows, 600).to(dtype)
+            ref = F.linear(x.float(), lin.dense_weight().float(), lin.bias.float())
+            with torch.no_grad():
+                assert lin.lut_forward(x) is not None, kernels._gpu_failure  # the kernel ran
+                y = lin(x.view(1, rows, 600))
+            assert y.dtype == dtype
+            torch.testing.assert_close(y.float(), ref.view(1, rows, -1), rtol=tol, atol=tol)
+        with torch.no_grad():  # prefill: cuBLAS on the decoded weight
+            assert lin.lut_forward(torch.randn(kernels.DECODE_ROWS + 1, 600).to(dtype)) is None
+print("ok")
+"""
+
+
+def test_triton_lut_kernel_equals_the_reference_path():
+    """The CUDA kernel, run by Triton's interpreter on CPU tensors (no GPU here; the
+    interpreter must be chosen before Triton loads, hence a fresh process). Widths 4 and 8,
+    grouped tables, outliers and bias through whole layers, inputs that are not a multiple of
+    the block (600), rows that are not a multiple of the row block (48), float32 and float16."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(Path(__file__).parent)}
+    run = subprocess.run([sys.executable, "-c", INTERPRETED], capture_output=True, text=True, env=env)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-3000:]
+
+
+def test_a_triton_kernel_that_fails_hands_over_to_the_torch_path(monkeypatch):
+    module = pytest.importorskip("wscompress.kernels.lut_triton")
+
+    def broken(*_args):
+        raise RuntimeError("PTX version not supported")
+
+    monkeypatch.setattr(module, "lut_linear", broken)
+    monkeypatch.setattr(kernels, "_load_triton", lambda: (module, "lut_triton.py"))
+    monkeypatch.setattr(kernels, "palettized_linear", kernels._gpu_linear)  # as on a GPU
+    monkeypatch.setattr(kernels, "_gpu_failure", None)
+    lin = layer(4, 1)
+    x = torch.randn(2, 72)
+    with torch.no_grad(), pytest.warns(UserWarning, match="PTX version"):
+        y = lin(x)
+    torch.testing.assert_close(y, F.linear(x, lin.dense_weight(), lin.bias))
+    assert kernels.lut_gpu() is None and "PTX version" in kernels._gpu_failure

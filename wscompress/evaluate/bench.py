@@ -113,7 +113,9 @@ def kernel_path(model: nn.Module) -> str:
     cpu = model_device(model).type == "cpu"
     parts = []
     pal = [m for m in model.modules() if isinstance(m, PalettizedLinear)]
-    if pal and (not cpu or kernels.lut() is None):
+    if pal and not cpu and kernels.lut_gpu() is not None:
+        parts.append("palettized: LUT kernel (Triton) for decoding, weight materialised for prefill")
+    elif pal and (not cpu or kernels.lut() is None):
         parts.append(f"palettized: weight materialised per forward (torch; {kernels.status()})")
     elif pal:
         lut = sum(m.kernel_layout() is not None for m in pal)

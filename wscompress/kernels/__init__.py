@@ -1,16 +1,20 @@
 """Compiled CPU kernels: look-up-table matmul for palettized weights (``lut.cpp``) and a fused
-low-rank matmul for decoding (``lowrank.cpp``).
+low-rank matmul for decoding (``lowrank.cpp``); on CUDA, the look-up-table product for
+decoding in Triton (``lut_triton.py``), used where Triton is installed (CUDA builds of torch
+bring it).
 
 ``make install`` builds them (``python -m wscompress.kernels.build``) with torch's C++ extension
 tools into ``<cache>/kernels/torch-<version>``; later processes load the built libraries. Where
 they cannot be built or loaded (no compiler, an unusual platform) or ``WSCOMPRESS_KERNELS=0``,
 ``lut()`` / ``lowrank()`` return None, ``status()`` says why, and layers use their pure-torch
-path, which gives the same results.
+path, which gives the same results. A Triton kernel that fails to compile on a GPU is
+reported once and the torch path takes over.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from functools import cache
 from pathlib import Path
 from types import ModuleType
@@ -58,19 +62,46 @@ def lowrank() -> ModuleType | None:
     return _load("lowrank")[0]
 
 
+@cache
+def _load_triton() -> tuple[ModuleType | None, str]:
+    if os.environ.get("WSCOMPRESS_KERNELS", "1") == "0":
+        return None, "disabled by WSCOMPRESS_KERNELS=0"
+    try:
+        from . import lut_triton
+    except ImportError as err:
+        return None, f"no Triton ({err})"
+    return lut_triton, "lut_triton.py (CUDA decoding)"
+
+
+_gpu_failure: str | None = None  # why the Triton kernel stopped being used, once it failed
+
+
+def lut_gpu() -> ModuleType | None:
+    """The Triton LUT module, or None when it is not available or failed (see ``status``)."""
+    return None if _gpu_failure else _load_triton()[0]
+
+
 def status() -> str:
-    """Which CPU paths compressed layers use, in words."""
-    return ", ".join(dict.fromkeys(_load(source)[1] for source in ("lut", "lowrank")))
+    """Which paths compressed layers use, in words (the CUDA one where a GPU is present)."""
+    paths = [_load(source)[1] for source in ("lut", "lowrank")]
+    if torch.cuda.is_available():
+        paths.append(_gpu_failure or _load_triton()[1])
+    return ", ".join(dict.fromkeys(paths))
 
 
 def palettized_linear(x: torch.Tensor, indices: torch.Tensor, width: int, tables: torch.Tensor, group_size: int,
                       out_features: int) -> torch.Tensor | None:
     """x @ Wᵀ (no bias) for a palettized W whose row r reads ``tables[r // group_size]`` at its
     indices (``width`` 4: two per byte, low nibble first; 8: one per byte), or None where the
-    kernel does not apply (not CPU float32, kernels unavailable, gradients needed)."""
+    kernel does not apply (gradients needed, kernels unavailable, on CPU not float32, on CUDA
+    more than DECODE_ROWS rows: prefill is compute-bound, and cuBLAS on the weight decoded by
+    torch wins there)."""
+    if torch.is_grad_enabled() and (x.requires_grad or tables.requires_grad):
+        return None
+    if x.device.type == "cuda":
+        return _gpu_linear(x, indices, width, tables, group_size, out_features)
     module = lut()
-    if module is None or x.device.type != "cpu" or x.dtype != torch.float32 or torch.is_grad_enabled() and (
-            x.requires_grad or tables.requires_grad):
+    if module is None or x.device.type != "cpu" or x.dtype != torch.float32:
         return None
     flat = x.reshape(-1, x.shape[-1]).contiguous()
     tables = tables.detach().float().contiguous()
@@ -78,6 +109,22 @@ def palettized_linear(x: torch.Tensor, indices: torch.Tensor, width: int, tables
         y = module.lut_linear(flat, indices, tables, width, group_size, out_features)
     else:  # prefill: decode this layer's dense weight once (transient) and let the BLAS multiply
         y = F.linear(flat, module.lut_dense(indices, tables, width, group_size, out_features, flat.shape[1]))
+    return y.view(*x.shape[:-1], out_features)
+
+
+def _gpu_linear(x: torch.Tensor, indices: torch.Tensor, width: int, tables: torch.Tensor, group_size: int,
+                out_features: int) -> torch.Tensor | None:
+    global _gpu_failure
+    module = lut_gpu()
+    if module is None or x.numel() > DECODE_ROWS * x.shape[-1]:
+        return None
+    flat = x.reshape(-1, x.shape[-1]).contiguous()
+    try:
+        y = module.lut_linear(flat, indices, width, tables.detach().contiguous(), group_size, out_features)
+    except Exception as err:  # noqa: BLE001 - a Triton or driver that cannot build it: the torch path
+        _gpu_failure = f"lut_triton.py failed ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
+        warnings.warn(f"wscompress: {_gpu_failure}; palettized layers materialise their weight instead", stacklevel=2)
+        return None
     return y.view(*x.shape[:-1], out_features)
 
 
