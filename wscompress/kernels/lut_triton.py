@@ -1,6 +1,6 @@
 """Look-up-table matrix-vector product for palettized weights on CUDA, in Triton: the GPU twin
 of ``lut.cpp``'s decoding path. Each program owns a block of output rows and walks the input
-in chunks: it reads the packed indices (half a byte a weight at 4 bits), looks each one up in
+in steps: it reads the packed indices (half a byte a weight at 4 bits), looks each one up in
 its row group's table (small enough to stay in cache) and accumulates in float32, so the dense
 weight is never formed and decoding reads a quarter of the bytes a float16 weight takes.
 
@@ -10,14 +10,22 @@ which is how the tests check it on machines without a GPU.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
-BLOCK_N = 32  # output rows per program
-BLOCK_K = 256  # inputs per step (128 bytes of 4-bit indices a row)
+# Rows per program x inputs per step: few rows give more programs on small layers, long steps
+# fewer loop trips on wide ones. The best depends on the GPU and the layer's shape, so the first
+# call at each shape times these on the user's GPU (Triton's autotuner) and keeps the fastest.
+# The interpreter (tests, on CPU) runs the first only: it has nothing to time.
+CONFIGS = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w)
+           for n, k, w in [(32, 256, 4), (8, 256, 2), (16, 256, 4), (16, 512, 4), (64, 128, 4), (32, 512, 8)]]
 
 
+@triton.autotune(configs=CONFIGS[:1] if os.environ.get("TRITON_INTERPRET") == "1" else CONFIGS,
+                 key=["n_out", "n_in", "WIDTH"])
 @triton.jit
 def _lut_gemv(x_ptr, idx_ptr, tab_ptr, y_ptr, n_out, n_in, group_size, table_len,
               WIDTH: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -56,7 +64,6 @@ def lut_linear(x: torch.Tensor, indices: torch.Tensor, width: int, tables: torch
     ``kernels.palettized_linear`` takes them) and ``tables`` (groups, K) describe, in x's dtype."""
     rows, n_in = x.shape
     y = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(out_features, BLOCK_N), rows)
-    _lut_gemv[grid](x, indices, tables, y, out_features, n_in, group_size, tables.shape[1],
-                    WIDTH=width, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+    grid = lambda meta: (triton.cdiv(out_features, meta["BLOCK_N"]), rows)  # noqa: E731 - Triton's grid form
+    _lut_gemv[grid](x, indices, tables, y, out_features, n_in, group_size, tables.shape[1], WIDTH=width)
     return y
