@@ -60,6 +60,6 @@ def tensors_on_huge_pages() -> None:
     Every large tensor is a fresh mapping (see :func:`return_large_frees`) whose pages fault in
     on first touch: 4 KB pages cost a 135M model's calibration 43 M faults and 80 s of system
     time, 2 MB pages a seventh of the faults (calibrate 248 -> 232 s, compress 377 -> 332 s,
-    same peak memory, same output bits). Huge pages are only advised: where the kernel has
+    no higher peak memory, same output bits). Huge pages are only advised: where the kernel has
     none (THP ``never``), nothing changes. The user's own setting wins."""
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
