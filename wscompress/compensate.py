@@ -27,8 +27,10 @@ layer too, so the pass takes about twice as long as with ``function``.
 Layers go in order and, inside a layer, modules in forward order (q/k/v, o, gate/up, down),
 each fitted on inputs that already reflect the refits before it. Each stage runs the layer only
 as far as its modules' input, and a block whose modules are all refit (the attention block once
-o is) is computed once a batch and replayed after: its input and weights no longer change. One
-layer's activations (two with ``model``), its attention outputs and one module's matrices are
+o is) is replayed after: its input and weights no longer change. A block that one module ends
+(o, down) is recorded by that module's own stage and corrected by its coefficient change, so
+it is never run again; others are recorded the first time a later stage runs them. One
+layer's activations (two with ``model``), its block outputs and one module's matrices are
 held at a time.
 """
 
@@ -39,7 +41,8 @@ from typing import Callable, Collection, Iterable, Iterator, Literal
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
+import torch.nn.functional as F
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .arch import Arch, get_module, replace_everywhere, set_module, weight_of
 from .calibrate import LayerInputs, Stub, layerwise, run_layer
@@ -65,13 +68,14 @@ class FirstInput:
         self.modules = modules
         self.names: list[str] = []
         self.x: torch.Tensor | None = None
+        self.through = False  # later batches run on (to where an _Ends stops them)
 
     def _hook(self, name: str):
         def hook(_module, args):
             x = args[0]
             if self.x is None:
                 self.x = x
-                if self.names:  # the group is known: the forward reaches its input in the same order
+                if self.names and not self.through:  # the group is known: the forward reaches its input in the same order
                     raise _Seen
             if x.data_ptr() != self.x.data_ptr():
                 raise _Seen
@@ -135,6 +139,67 @@ class _Replays:
                     hook = module.register_forward_hook(lambda _m, _a, out, key=key: self.saved.__setitem__(key, _copy(out)))
                     stack.callback(hook.remove)
             yield
+
+
+class _Ends:
+    """Outputs of the block that a stage's module ends (its output is the block's output, as o
+    ends the attention block and down the MLP), recorded while that stage runs so that no later
+    pass runs the block again. The compressed stream's record still has the old coefficients
+    C₀; once the module is refit, out + basis(x)·(C − C₀)ᵀ is the new output (basis and bias
+    stay). The first batch records every block that has one pending module; once the stage's
+    group is known, later batches record its block only and stop at the block's end."""
+
+    def __init__(self, layer: nn.Module, prefix: str, pending: Collection[str], modules: dict[str, nn.Module],
+                 low_rank: bool):
+        owns: dict[str, list[str]] = {}
+        for n in pending:
+            owns.setdefault(n[len(prefix):].split(".")[0], []).append(n)
+        self.candidates = {block: names[0] for block, names in owns.items() if len(names) == 1}
+        self.layer, self.modules, self.low_rank = layer, modules, low_rank
+        self.block: str | None = None
+        self.saved: dict[tuple[str, int], tuple[list, object, int, torch.Tensor | None]] = {}
+
+    @contextmanager
+    def __call__(self, batch: int) -> Iterator[None]:
+        blocks = [self.block] if self.block else list(self.candidates) if batch == 0 else []
+        seen: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        with ExitStack() as stack:
+            for block in blocks:
+                def on_module(_m, args, out, block=block):
+                    seen[block] = (args[0], out)
+
+                def on_block(_m, _args, out, block=block):
+                    if block in seen:
+                        self._keep(block, batch, out, *seen[block])
+                    if self.block:
+                        raise _Seen
+
+                module = self.modules[self.candidates[block]]
+                stack.callback(module.register_forward_hook(on_module).remove)
+                stack.callback(getattr(self.layer, block).register_forward_hook(on_block).remove)
+            yield
+
+    def _keep(self, block: str, batch: int, out: object, x: torch.Tensor, y: torch.Tensor) -> None:
+        leaves, spec = tree_flatten(out)
+        at = next((j for j, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.data_ptr() == y.data_ptr()
+                   and t.shape == y.shape), None)
+        if at is None:  # the block does more after the module: it is not one that the module ends
+            return
+        z = F.linear(x, self.modules[self.candidates[block]].basis.weight) if self.low_rank else None
+        self.saved[block, batch] = ([t.clone() if isinstance(t, torch.Tensor) else t for t in leaves], spec, at, z)
+
+    def settle(self, names: list[str]) -> bool:
+        """After the first batch: whether the stage's group (``names``) ends a block."""
+        self.block = next((b for b, n in self.candidates.items() if [n] == names and (b, 0) in self.saved), None)
+        self.saved = {k: v for k, v in self.saved.items() if k[0] == self.block}
+        return self.block is not None
+
+    def publish(self, replays: _Replays, stream: str, changes: dict[str, torch.Tensor]) -> None:
+        """Hand the records, corrected by the coefficient ``changes`` (C − C₀), to ``replays``."""
+        for (block, batch), (leaves, spec, at, z) in self.saved.items():
+            if z is not None:
+                leaves[at] += F.linear(z, changes[self.candidates[block]].to(z.dtype))
+            replays.saved[stream, block, batch] = tree_unflatten(leaves, spec)
 
 
 @contextmanager
@@ -224,21 +289,32 @@ def refit_pass(model: nn.Module, arch: Arch, batches: list[torch.Tensor], build:
             # layer when the target is the layer: nothing compressed has run before them.
             same = target == "function" or (target == "layer" and len(pending) == len(new))
             first, ref = FirstInput(pending), FirstInput({n: originals[n] for n in pending})
+            prefix = arch.layer_name(i) + "."
+            ends = _Ends(layer, prefix, pending, new, low_rank=True)
+            ends_ref = _Ends(layer, prefix, pending, originals, low_rank=False)
             normals: _Normals | None = None
             for b, (hidden, (args, kwargs)) in enumerate(zip(inputs.hidden, inputs.calls)):
-                with replays("compressed", b, pending):
+                with replays("compressed", b, pending), ends(b):
                     x = first(layer, hidden, args, kwargs)
                 x_ref = None
                 if not same:
-                    with _originals(model, originals, new), replays("original", b, pending):
+                    with _originals(model, originals, new), replays("original", b, pending), ends_ref(b):
                         x_ref = ref(layer, ref_inputs.hidden[b], args, kwargs)
                 if normals is None:
                     names = first.names
                     normals = _Normals({n: weights[n] for n in names}, {n: new[n].basis.weight for n in names}, same)
+                    first.through = ends.settle(names)
+                    # the original stream's block output is needed by later stages or a reference pass
+                    ref.through = not same and ends_ref.settle(names) and (len(pending) > len(names) or target == "model")
+                    if not ref.through:
+                        ends_ref.block, ends_ref.saved = None, {}
                 normals.add(x, x_ref)
             coeffs = normals.solve(ridge, {n: new[n].coeff.weight for n in first.names})
+            changes = {n: c.to(new[n].coeff.weight.dtype) - new[n].coeff.weight for n, c in coeffs.items()}
             for n, c in coeffs.items():
                 pending.pop(n).coeff.weight.copy_(c)
+            ends.publish(replays, "compressed", changes)
+            ends_ref.publish(replays, "original", {})
         inputs.outputs = run_layer(layer, inputs, lambda b: replays("compressed", b, (), record=False))
         if target == "model":
             with _originals(model, originals, new):
