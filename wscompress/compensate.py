@@ -124,6 +124,10 @@ class _Replays:
             self.owns.setdefault(n[len(prefix):].split(".")[0], set()).add(n)
         self.saved: dict[tuple[str, str, int], object] = {}
 
+    def ended_by_one(self, pending: Collection[str]) -> dict[str, str]:
+        """Blocks with exactly one module still ``pending``: block -> that module."""
+        return {block: next(iter(left)) for block, names in self.owns.items() if len(left := names & set(pending)) == 1}
+
     @contextmanager
     def __call__(self, stream: str, batch: int, pending: Collection[str], record: bool = True) -> Iterator[None]:
         """Inside the block, the finished blocks replay their outputs for this stream and batch,
@@ -149,13 +153,8 @@ class _Ends:
     stay). The first batch records every block that has one pending module; once the stage's
     group is known, later batches record its block only and stop at the block's end."""
 
-    def __init__(self, layer: nn.Module, prefix: str, pending: Collection[str], modules: dict[str, nn.Module],
-                 low_rank: bool):
-        owns: dict[str, list[str]] = {}
-        for n in pending:
-            owns.setdefault(n[len(prefix):].split(".")[0], []).append(n)
-        self.candidates = {block: names[0] for block, names in owns.items() if len(names) == 1}
-        self.layer, self.modules, self.low_rank = layer, modules, low_rank
+    def __init__(self, layer: nn.Module, candidates: dict[str, str], modules: dict[str, nn.Module], low_rank: bool):
+        self.layer, self.candidates, self.modules, self.low_rank = layer, candidates, modules, low_rank
         self.block: str | None = None
         self.saved: dict[tuple[str, int], tuple[list, object, int, torch.Tensor | None]] = {}
 
@@ -189,7 +188,8 @@ class _Ends:
         self.saved[block, batch] = ([t.clone() if isinstance(t, torch.Tensor) else t for t in leaves], spec, at, z)
 
     def settle(self, names: list[str]) -> bool:
-        """After the first batch: whether the stage's group (``names``) ends a block."""
+        """After the first batch: whether the stage's group (``names``; none: record nothing)
+        ends a block."""
         self.block = next((b for b, n in self.candidates.items() if [n] == names and (b, 0) in self.saved), None)
         self.saved = {k: v for k, v in self.saved.items() if k[0] == self.block}
         return self.block is not None
@@ -289,9 +289,9 @@ def refit_pass(model: nn.Module, arch: Arch, batches: list[torch.Tensor], build:
             # layer when the target is the layer: nothing compressed has run before them.
             same = target == "function" or (target == "layer" and len(pending) == len(new))
             first, ref = FirstInput(pending), FirstInput({n: originals[n] for n in pending})
-            prefix = arch.layer_name(i) + "."
-            ends = _Ends(layer, prefix, pending, new, low_rank=True)
-            ends_ref = _Ends(layer, prefix, pending, originals, low_rank=False)
+            candidates = replays.ended_by_one(pending)
+            ends = _Ends(layer, candidates, new, low_rank=True)
+            ends_ref = _Ends(layer, candidates, originals, low_rank=False)
             normals: _Normals | None = None
             for b, (hidden, (args, kwargs)) in enumerate(zip(inputs.hidden, inputs.calls)):
                 with replays("compressed", b, pending), ends(b):
@@ -305,9 +305,8 @@ def refit_pass(model: nn.Module, arch: Arch, batches: list[torch.Tensor], build:
                     normals = _Normals({n: weights[n] for n in names}, {n: new[n].basis.weight for n in names}, same)
                     first.through = ends.settle(names)
                     # the original stream's block output is needed by later stages or a reference pass
-                    ref.through = not same and ends_ref.settle(names) and (len(pending) > len(names) or target == "model")
-                    if not ref.through:
-                        ends_ref.block, ends_ref.saved = None, {}
+                    needed = not same and (len(pending) > len(names) or target == "model")
+                    ref.through = ends_ref.settle(names if needed else [])
                 normals.add(x, x_ref)
             coeffs = normals.solve(ridge, {n: new[n].coeff.weight for n in first.names})
             changes = {n: c.to(new[n].coeff.weight.dtype) - new[n].coeff.weight for n, c in coeffs.items()}
