@@ -3,8 +3,9 @@ official figures, on configs/protocol.yaml (64x512 GPTQ-sampled calibration wind
 wiki.train.txt; perplexity on the first 40 windows of wiki.test.txt and of brown.txt, which no
 default was tuned on).
 
-1. `wscompress calibrate` runs once as a subprocess (its report gives time and peak memory);
-   the statistics it saves (Gram matrices, output sensitivities) serve every row.
+1. `wscompress calibrate` and then `wscompress compress` (the recipe's Basis Sharing stage) run
+   once each as subprocesses, as a user runs them (their reports give time and peak memory);
+   the statistics calibrate saves (Gram matrices, output sensitivities) serve every row.
 2. Each row applies its stage(s) to a fresh copy of the model in this process: perplexity on
    both texts, the size (parameters or bits per weight) and the compression time. Each row is
    also written as a run folder (outputs/protocol/runs/<row>/reports), so
@@ -125,13 +126,19 @@ def main() -> None:
     out = args.out.resolve()
     recipe = load_recipe(CONFIG, [f"output.dir={out}"])
 
-    stats = out / "reports" / "calibrate.json"
-    if not (out / "calibration" / "stats.json").is_file():
-        subprocess.run([sys.executable, "-m", "wscompress.cli", "calibrate", str(CONFIG), "-o", str(out), "-q"],
-                       check=True, cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    calib = json.loads(stats.read_text())
+    def cli(step: str, done: Path) -> dict:
+        """One step as a user runs it (a fresh process), unless an earlier invocation did; its report."""
+        if not done.is_file():
+            subprocess.run([sys.executable, "-m", "wscompress.cli", step, str(CONFIG), "-o", str(out), "-q"],
+                           check=True, cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        return json.loads((out / "reports" / f"{step}.json").read_text())
+
+    calib = cli("calibrate", out / "calibration" / "stats.json")
+    comp = cli("compress", out / "reports" / "compress.json")  # the recipe's stage, statistics reused
     steps = [{"step": "wscompress calibrate (Grams + sensitivities)", "seconds": calib["seconds"],
-              "peak_memory_mb": calib["peak_memory_mb"]}]
+              "peak_memory_mb": calib["peak_memory_mb"]},
+             {"step": "wscompress compress (Basis Sharing g2 20 %, defaults)",
+              "seconds": round(sum(s["seconds"] for s in comp["stages"]), 1), "peak_memory_mb": comp["peak_memory_mb"]}]
 
     original, tok = load_model(recipe.model)
     done = out / "results.json"  # rows measured by an earlier invocation are kept, not rerun
