@@ -162,29 +162,39 @@ class _Ends:
     def __call__(self, batch: int) -> Iterator[None]:
         blocks = [self.block] if self.block else list(self.candidates) if batch == 0 else []
         seen: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        codes: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # basis(x) as the module computed it
         with ExitStack() as stack:
             for block in blocks:
                 def on_module(_m, args, out, block=block):
                     seen[block] = (args[0], out)
 
+                def on_basis(_m, args, out, block=block):
+                    codes[block] = (args[0], out)
+
                 def on_block(_m, _args, out, block=block):
                     if block in seen:
-                        self._keep(block, batch, out, *seen[block])
+                        x, y = seen[block]
+                        z = codes[block][1] if block in codes and codes[block][0] is x else None
+                        self._keep(block, batch, out, y, z)
                     if self.block:
                         raise _Seen
 
                 module = self.modules[self.candidates[block]]
                 stack.callback(module.register_forward_hook(on_module).remove)
+                if self.low_rank:
+                    stack.callback(module.basis.register_forward_hook(on_basis).remove)
                 stack.callback(getattr(self.layer, block).register_forward_hook(on_block).remove)
             yield
 
-    def _keep(self, block: str, batch: int, out: object, x: torch.Tensor, y: torch.Tensor) -> None:
+    def _keep(self, block: str, batch: int, out: object, y: torch.Tensor, z: torch.Tensor | None) -> None:
+        """Record ``out`` if ``y`` (the module's output) is a leaf of it, with z = basis(x)."""
         leaves, spec = tree_flatten(out)
         at = next((j for j, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.data_ptr() == y.data_ptr()
                    and t.shape == y.shape), None)
-        if at is None:  # the block does more after the module: it is not one that the module ends
+        # Not kept (a later pass runs the block): the block does more after the module, so it is
+        # not one the module ends, or the module skipped its basis call (a fused decoding path).
+        if at is None or self.low_rank and z is None:
             return
-        z = F.linear(x, self.modules[self.candidates[block]].basis.weight) if self.low_rank else None
         self.saved[block, batch] = ([t.clone() if isinstance(t, torch.Tensor) else t for t in leaves], spec, at, z)
 
     def settle(self, names: list[str]) -> bool:
