@@ -40,9 +40,14 @@ def _load(source: str) -> tuple[ModuleType | None, str]:
         module = load(name=f"wscompress_{source}", sources=[str(HERE / f"{source}.cpp")], build_directory=str(build),
                       verbose=False, extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
     except Exception as err:  # noqa: BLE001 - any build or load failure means: use the torch path
-        return None, f"not built ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
+        return None, f"not built ({_why(err)})"
     flags = _cpu_flags()
     return module, f"{source}.cpp ({'AVX-512' if 'avx512f' in flags else 'AVX2' if 'avx2' in flags else 'scalar'})"
+
+
+def _why(err: Exception) -> str:
+    """An error in one line, for ``status``."""
+    return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
 
 
 def _cpu_flags() -> str:
@@ -122,7 +127,7 @@ def _gpu_linear(x: torch.Tensor, indices: torch.Tensor, width: int, tables: torc
     try:
         y = module.lut_linear(flat, indices, width, tables.detach().contiguous(), group_size, out_features)
     except Exception as err:  # noqa: BLE001 - a Triton or driver that cannot build it: the torch path
-        _gpu_failure = f"lut_triton.py failed ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
+        _gpu_failure = f"lut_triton.py failed ({_why(err)})"
         warnings.warn(f"wscompress: {_gpu_failure}; palettized layers materialise their weight instead", stacklevel=2)
         return None
     return y.view(*x.shape[:-1], out_features)
