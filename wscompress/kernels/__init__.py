@@ -4,7 +4,7 @@ decoding in Triton (``lut_triton.py``), used where Triton is installed (CUDA bui
 bring it).
 
 ``make install`` builds them (``python -m wscompress.kernels.build``) with torch's C++ extension
-tools into ``<cache>/kernels/torch-<version>``; later processes load the built libraries. Where
+tools into ``<cache>/kernels/torch-<version>/<name>``; later processes load the built libraries. Where
 they cannot be built or loaded (no compiler, an unusual platform) or ``WSCOMPRESS_KERNELS=0``,
 ``lut()`` / ``lowrank()`` return None, ``status()`` says why, and layers use their pure-torch
 path, which gives the same results. A Triton kernel that fails to compile on a GPU is
@@ -32,17 +32,31 @@ def _load(source: str) -> tuple[ModuleType | None, str]:
         return None, "disabled by WSCOMPRESS_KERNELS=0"
     from ..model import cache_dir
 
-    build = cache_dir() / "kernels" / f"torch-{torch.__version__}"
+    build = cache_dir() / "kernels" / f"torch-{torch.__version__}" / source
     build.mkdir(parents=True, exist_ok=True)
     try:
         from torch.utils.cpp_extension import load
 
-        module = load(name=f"wscompress_{source}", sources=[str(HERE / f"{source}.cpp")], build_directory=str(build),
+        module = load(name=f"wscompress_{source}", sources=[str(_staged(HERE / f"{source}.cpp", build))],
+                      build_directory=str(build),
                       verbose=False, extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
     except Exception as err:  # noqa: BLE001 - any build or load failure means: use the torch path
         return None, f"not built ({_why(err)})"
     flags = _cpu_flags()
     return module, f"{source}.cpp ({'AVX-512' if 'avx512f' in flags else 'AVX2' if 'avx2' in flags else 'scalar'})"
+
+
+def _staged(src: Path, build: Path) -> Path:
+    """``src`` copied into the build folder, rewritten only when its text changed. The compile
+    command names this copy, so checkouts and installs of the same source share one build; with
+    each checkout's own path in the command, two of them (a CI clone beside a working copy)
+    rebuilt each other's library, ~27 s, whenever they took turns."""
+    copy, text = build / src.name, src.read_bytes()
+    if not copy.exists() or copy.read_bytes() != text:
+        tmp = copy.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_bytes(text)
+        tmp.replace(copy)  # whole or not at all, for a process building beside this one
+    return copy
 
 
 def _why(err: Exception) -> str:
