@@ -233,11 +233,12 @@ class _Normals:
     reading X'. Through each module's outputs, A = ZᵀZ and R = YᵀZ with Z = X'·Bᵀ and
     Y = X·Wᵀ: d_in·(k + d_out) + k·(d_out + k/2) a token. The cheaper one is taken: the outputs
     for a wide input such as the down projection's (about 2.5x fewer at the ranks used), the
-    Gram matrices for the others."""
+    Gram matrices for the others. Z and Y are the module's outputs, computed in float32 as the
+    model computes them (at twice float64's speed); their products are summed in float64."""
 
     def __init__(self, weights: dict[str, torch.Tensor], bases: dict[str, torch.Tensor], same: bool):
-        self.weights = {n: w.double() for n, w in weights.items()}
-        self.bases = {n: b.double() for n, b in bases.items()}
+        self.weights = {n: w.float() for n, w in weights.items()}
+        self.bases = {n: b.float() for n, b in bases.items()}
         self.same = same
         d_in = next(iter(weights.values())).shape[1]
         outputs = sum(d_in * (b.shape[0] + w.shape[0]) + b.shape[0] * (w.shape[0] + b.shape[0] / 2)
@@ -251,15 +252,15 @@ class _Normals:
     def add(self, x: torch.Tensor, x_ref: torch.Tensor | None) -> None:
         """One batch: what the modules read in the compressed model (x) and in the target
         (x_ref; None when it is x)."""
-        x = x.double()
-        x_ref = x if x_ref is None else x_ref.double()
+        x_ref = x if x_ref is None else x_ref
         if not self.through_outputs:
+            x, x_ref = x.double(), x_ref.double()
             self.gram = add_gram(self.gram, x)  # lower triangle
             if not self.same:
                 self.cross = x_ref.T @ x if self.cross is None else self.cross.addmm_(x_ref.T, x)
             return
         for n, w in self.weights.items():
-            z, y = x @ self.bases[n].T, x_ref @ w.T
+            z, y = (x.float() @ self.bases[n].T).double(), (x_ref.float() @ w.T).double()
             self.a[n] = add_gram(self.a.get(n), z)
             self.r[n] = y.T @ z if n not in self.r else self.r[n].addmm_(y.T, z)
 
