@@ -252,13 +252,14 @@ class _Normals:
     def add(self, x: torch.Tensor, x_ref: torch.Tensor | None) -> None:
         """One batch: what the modules read in the compressed model (x) and in the target
         (x_ref; None when it is x)."""
-        x_ref = x if x_ref is None else x_ref
         if not self.through_outputs:
-            x, x_ref = x.double(), x_ref.double()
+            x = x.double()
             self.gram = add_gram(self.gram, x)  # lower triangle
             if not self.same:
+                x_ref = x if x_ref is None else x_ref.double()
                 self.cross = x_ref.T @ x if self.cross is None else self.cross.addmm_(x_ref.T, x)
             return
+        x_ref = x if x_ref is None else x_ref
         for n, w in self.weights.items():
             z, y = (x.float() @ self.bases[n].T).double(), (x_ref.float() @ w.T).double()
             self.a[n] = add_gram(self.a.get(n), z)

@@ -26,9 +26,13 @@ HERE = Path(__file__).parent
 DECODE_ROWS = 8  # inputs with at most this many rows (decoding) use the kernels; longer ones the BLAS
 
 
+def _disabled() -> bool:
+    return os.environ.get("WSCOMPRESS_KERNELS", "1") == "0"
+
+
 @cache
 def _load(source: str) -> tuple[ModuleType | None, str]:
-    if os.environ.get("WSCOMPRESS_KERNELS", "1") == "0":
+    if _disabled():
         return None, "disabled by WSCOMPRESS_KERNELS=0"
     from ..model import cache_dir
 
@@ -38,8 +42,7 @@ def _load(source: str) -> tuple[ModuleType | None, str]:
         from torch.utils.cpp_extension import load
 
         module = load(name=f"wscompress_{source}", sources=[str(_staged(HERE / f"{source}.cpp", build))],
-                      build_directory=str(build),
-                      verbose=False, extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
+                      build_directory=str(build), verbose=False, extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
     except Exception as err:  # noqa: BLE001 - any build or load failure means: use the torch path
         return None, f"not built ({_why(err)})"
     flags = _cpu_flags()
@@ -83,7 +86,7 @@ def lowrank() -> ModuleType | None:
 
 @cache
 def _load_triton() -> tuple[ModuleType | None, str]:
-    if os.environ.get("WSCOMPRESS_KERNELS", "1") == "0":
+    if _disabled():
         return None, "disabled by WSCOMPRESS_KERNELS=0"
     try:
         from . import lut_triton
