@@ -18,7 +18,7 @@ from wscompress.errors import UsageError
 from wscompress.methods.basis_sharing import SharedBasisLinear, relative
 from wscompress.methods.svd import LowRankLinear
 
-CALIB = {"dataset": "pydoc", "num_samples": 8, "seq_len": 64, "batch_size": 4}
+CALIB = {"dataset": "pydoc", "num_samples": 8, "seq_len": 64, "batch_size": 4, "dtype": "float32"}  # exact float32 references
 IDS = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(1))
 
 
@@ -27,9 +27,10 @@ def logits(model) -> torch.Tensor:
         return model(input_ids=IDS).logits
 
 
-def compress(model, tokenizer, **options) -> dict:
+def compress(model, tokenizer, calibration: dict = CALIB, **options) -> dict:
     """One basis_sharing stage; uniform allocation unless asked (its ranks follow the paper's formula)."""
-    return wscompress.compress(model, [{"method": "basis_sharing", "allocation": "uniform", "refit": False, **options}], tokenizer, CALIB)[0]
+    stage = {"method": "basis_sharing", "allocation": "uniform", "refit": False, **options}
+    return wscompress.compress(model, [stage], tokenizer, calibration)[0]
 
 
 def layer(model, i):
@@ -264,6 +265,24 @@ def test_refit_replays_finished_blocks_without_changing_the_result(tokenizer, mo
         assert fewer["mlp"] < more["mlp"] or more["mlp"] == 0  # OPT has no MLP block
     for (n, a), b in zip(replayed.state_dict().items(), recomputed.state_dict().values()):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=n)
+
+
+def test_a_bfloat16_refit_streams_bfloat16_and_writes_float32_coefficients(tokenizer):
+    """calibration.dtype bfloat16: every layer reads bfloat16 in the Gram pass and while the
+    refit streams it; the model keeps float32 tensors and its output is as close to the
+    original's as the float32 run's."""
+    low, full, original = tiny_model("llama"), tiny_model("llama"), tiny_model("llama")
+    seen: set[torch.dtype] = set()
+    for layer in discover(low).layers:
+        layer.register_forward_pre_hook(lambda _m, args: seen.add(args[0].dtype))
+    compress(low, tokenizer, group_size=2, ratio=0.5, refit=True, calibration={**CALIB, "dtype": "bfloat16"})
+    compress(full, tokenizer, group_size=2, ratio=0.5, refit=True)
+    assert seen == {torch.bfloat16}
+    assert all(t.dtype == torch.float32 for t in low.state_dict().values())
+    ids = data.calibration_batches(tokenizer, CALIB["dataset"], 8, 64, 8, seed=0)[0]
+    with torch.no_grad():
+        error = lambda m: (m(input_ids=ids).logits - original(input_ids=ids).logits).norm().item()  # noqa: E731
+        assert error(low) <= 1.05 * error(full)
 
 
 @pytest.mark.slow

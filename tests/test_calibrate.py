@@ -134,7 +134,8 @@ def test_step_calibrate_file_is_reused_and_checked(tmp_path, tiny_dir, monkeypat
 
     model, tok = load_model(recipe.model)
     names = all_projections(model)
-    direct = calibrate.collect_grams(model, Context(recipe, tok).calibration(), names)
+    ctx = Context(recipe, tok)
+    direct = calibrate.collect_grams(model, ctx.calibration(), names, dtype=ctx.dtype(model))
     monkeypatch.setattr(calibrate, "collect_grams", lambda *a, **k: pytest.fail("statistics were recomputed"))
     stats = Context(recipe, tok).stats(model, names)
     assert stats.owner == direct.owner and all(torch.allclose(stats[k], direct[k]) for k in direct)
@@ -142,6 +143,42 @@ def test_step_calibrate_file_is_reused_and_checked(tmp_path, tiny_dir, monkeypat
     other = recipe.model_copy(update={"calibration": recipe.calibration.model_copy(update={"seed": 1})})
     with pytest.raises(UsageError, match="seed="):
         Context(other, tok).stats(model, names)
+    # statistics computed in another dtype than this run's: the same
+    dtype = "float32" if ctx.dtype(model) == torch.bfloat16 else "bfloat16"
+    other = recipe.model_copy(update={"calibration": recipe.calibration.model_copy(update={"dtype": dtype})})
+    with pytest.raises(UsageError, match="dtype="):
+        Context(other, tok).stats(model, names)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "opt", "gemma3"])
+def test_a_bfloat16_pass_keeps_the_statistics_and_the_model(kind):
+    """calibration.dtype: the modules read bfloat16 inputs, the Gram matrices and sensitivities
+    match float32's to bfloat16's precision, and the model keeps its own float32 weights."""
+    model = tiny_model(kind)
+    names = all_projections(model)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    seen: set[torch.dtype] = set()
+    handle = get_module(model, names[-1]).register_forward_pre_hook(lambda _m, a: seen.add(a[0].dtype))
+    low = calibrate.collect_grams(model, batches(), names, sensitivity_samples=2, dtype=torch.bfloat16)
+    handle.remove()
+    full = calibrate.collect_grams(model, batches(), names, sensitivity_samples=2)
+    assert seen == {torch.bfloat16}
+    after = model.state_dict()
+    assert all(after[k].dtype == v.dtype and torch.equal(after[k], v) for k, v in before.items())
+    for name in full:
+        error = (low[name] - full[name]).norm() / full[name].norm()
+        assert 0 < error < 3e-2, name  # bfloat16 keeps 8 bits: ~0.4 % a value, compounding over layers
+    assert low.sensitivity == pytest.approx(full.sensitivity, rel=0.05)
+
+
+def test_auto_compute_dtype_is_bfloat16_only_where_native(monkeypatch):
+    model = tiny_model("llama")
+    for native, want in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr(calibrate, "native_bfloat16", lambda _device, native=native: native)
+        assert calibrate.compute_dtype("auto", model) == want
+    assert calibrate.compute_dtype("float32", model) == torch.float32
+    monkeypatch.setattr(calibrate, "native_bfloat16", lambda _device: True)
+    assert calibrate.compute_dtype("auto", model.half()) == torch.float16  # a 16-bit model computes in its own
 
 
 def test_calibration_batches_are_deterministic(tokenizer):

@@ -20,7 +20,7 @@ from wscompress.recipe import ModelConfig, load_recipe
 from wscompress.workflow import apply_stages
 
 GOLDEN = Path(__file__).parent / "data" / "pipeline_logits.safetensors"
-CALIB = {"dataset": "pydoc", "num_samples": 8, "seq_len": 32, "batch_size": 2}
+CALIB = {"dataset": "pydoc", "num_samples": 8, "seq_len": 32, "batch_size": 2, "dtype": "float32"}  # exact float32 references
 RECIPES = {  # name -> stages; GOLDEN holds logits[..., :64] of each, computed before the pipeline existed
     "svd_fisher": [{"method": "svd", "ratio": 0.3, "sensitivity_samples": 4, "refit": False}],
     "basis_sharing_refit": [{"method": "basis_sharing", "ratio": 0.3, "refit": True, "refit_target": "function",

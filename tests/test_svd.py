@@ -12,7 +12,7 @@ from wscompress.errors import UsageError
 from wscompress.linalg import low_rank, rank_for_ratio, refit_coefficients, whitening
 from wscompress.methods.svd import LowRankLinear
 
-CALIB = {"dataset": "pydoc", "num_samples": 8, "seq_len": 64, "batch_size": 4}
+CALIB = {"dataset": "pydoc", "num_samples": 8, "seq_len": 64, "batch_size": 4, "dtype": "float32"}  # exact float32 references
 IDS = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(1))
 
 

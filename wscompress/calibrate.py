@@ -8,6 +8,10 @@ Each layer is brought to the execution device only while it runs (see ``offload`
 statistics go to disk before the next one starts (see ``stats``), so peak memory is one layer,
 its statistics and the calibration activations, never the whole model's.
 
+The passes may run in a lower compute dtype than the model's (``calibration.dtype``): each
+layer's parameters are cast while it runs and get their own values back after, so the model
+itself never changes. The statistics are summed in float64 whatever the compute dtype.
+
 Under ``torchrun`` (several processes with ``torch.distributed`` initialised) every rank runs
 its share of the calibration batches and the statistics are summed over ranks with
 ``all_reduce`` before they are written: the same numbers as one process, computed in parallel.
@@ -23,6 +27,7 @@ from typing import Callable, Iterator
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._pytree import tree_map
 from transformers.cache_utils import Cache
 
 from . import linalg, ui
@@ -117,10 +122,51 @@ def start_at(arch: Arch, first: int, hidden: list[torch.Tensor]):
             arch.layers[i] = layers[i]
 
 
+def compute_dtype(setting: str, model: nn.Module) -> torch.dtype:
+    """The dtype the calibration passes run in. ``auto``: bfloat16 for a float32 model where the
+    device multiplies bfloat16 natively (a GPU that has it, a CPU with AVX-512 or AMX; the
+    statistics come out the same to the noise, at 2-3x the matmul speed), else the model's own."""
+    own = next(model.parameters()).dtype
+    if setting != "auto":
+        return getattr(torch, setting)
+    return torch.bfloat16 if own == torch.float32 and native_bfloat16(model_device(model)) else own
+
+
+def native_bfloat16(device: torch.device) -> bool:
+    """Whether ``device`` multiplies bfloat16 in hardware (elsewhere it is emulated, slower than float32)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported(including_emulation=False)
+    return device.type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+@contextmanager
+def computing_in(module: nn.Module, dtype: torch.dtype | None) -> Iterator[None]:
+    """The module's floating-point parameters in ``dtype`` inside the block, their own tensors
+    back after (buffers such as rotary frequencies keep their precision). Only for passes that
+    read the weights: a change made inside the block is lost."""
+    saved = [(p, p.data) for p in module.parameters() if dtype is not None and p.is_floating_point() and p.dtype != dtype]
+    try:
+        for p, data in saved:
+            p.data = data.to(dtype)
+        yield
+    finally:
+        for p, data in saved:
+            p.data = data
+
+
+def in_dtype(tree: object, dtype: torch.dtype | None) -> object:
+    """``tree`` (hidden states, a layer's arguments) with its floating-point tensors in ``dtype``."""
+    if dtype is None:
+        return tree
+    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, tree)
+
+
 @torch.no_grad()
-def capture_inputs(model: nn.Module, arch: Arch, batches: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[list[Call]]]:
+def capture_inputs(model: nn.Module, arch: Arch, batches: list[torch.Tensor],
+                   dtype: torch.dtype | None = None) -> tuple[list[torch.Tensor], list[list[Call]]]:
     """The hidden states entering decoder layer 0 (one tensor a batch) and every layer's own
-    other arguments ([layer][batch]), from one pass per batch in which no layer runs."""
+    other arguments ([layer][batch]), from one pass per batch in which no layer runs; their
+    floating-point tensors in ``dtype`` when given."""
     hidden: list[torch.Tensor] = []
     calls: list[list[Call]] = [[] for _ in range(arch.num_layers)]
     layers = list(arch.layers)
@@ -136,7 +182,7 @@ def capture_inputs(model: nn.Module, arch: Arch, batches: list[torch.Tensor]) ->
     finally:
         for i, layer in enumerate(layers):
             arch.layers[i] = layer
-    return hidden, calls
+    return in_dtype(hidden, dtype), in_dtype(calls, dtype)
 
 
 @torch.no_grad()
@@ -152,23 +198,27 @@ def run_layer(layer: nn.Module, inputs: LayerInputs,
 
 
 def layerwise(model: nn.Module, batches: list[torch.Tensor], arch: Arch | None = None,
-              label: str = "calibration layers") -> Iterator[tuple[int, nn.Module, LayerInputs]]:
+              label: str = "calibration layers", dtype: torch.dtype | None = None) -> Iterator[tuple[int, nn.Module, LayerInputs]]:
     """Yield (index, layer, its inputs) for each decoder layer in order, the layer onloaded.
 
     The caller may observe the layer (hooks) or even replace its weights while it holds it;
     after the caller's step the layer runs on the inputs to produce the next layer's inputs,
     so a layer compressed in the loop feeds the compressed activations forward. A caller that
     computed those outputs itself hands them back in ``inputs.outputs`` and the layer does not
-    run again.
+    run again. With ``dtype`` the inputs come in that dtype and the layer runs in it (its own
+    weights stay as they are during the caller's step, which runs in what it chooses).
     """
     arch = arch or discover(model)
     offload = offload_of(model)
-    hidden, calls = capture_inputs(model, arch, batches)
+    hidden, calls = capture_inputs(model, arch, batches, dtype)
     for i in ui.track(range(arch.num_layers), label):
         with offload.onload([i]):
             layer, inputs = arch.layers[i], LayerInputs(hidden, calls[i])
             yield i, layer, inputs
-            hidden = run_layer(layer, inputs) if inputs.outputs is None else inputs.outputs
+            if inputs.outputs is None:
+                with computing_in(layer, dtype):
+                    inputs.outputs = run_layer(layer, inputs)
+            hidden = inputs.outputs
         calls[i] = []  # layer i's arguments are done with
 
 
@@ -207,11 +257,13 @@ class GramHook:
 
 @torch.no_grad()
 def collect_grams(model: nn.Module, batches: list[torch.Tensor], names: list[str], folder: str | Path | None = None,
-                  meta: dict | None = None, sensitivity_samples: int = 0, scratch: bool | None = None) -> Stats:
+                  meta: dict | None = None, sensitivity_samples: int = 0, scratch: bool | None = None,
+                  dtype: torch.dtype | None = None) -> Stats:
     """Gram matrices of the inputs of the named linear modules (and, with
     ``sensitivity_samples``, their output sensitivities), layer by layer, written to ``folder``
-    one layer at a time (default: a scratch folder). With ``scratch`` (default: no folder given)
-    the folder is deleted with the returned ``Stats``.
+    one layer at a time (default: a scratch folder), the layers run in ``dtype`` (default: the
+    model's). With ``scratch`` (default: no folder given) the folder is deleted with the
+    returned ``Stats``.
 
     The hooks observe the pass that ``layerwise`` makes anyway to feed the next layer, so
     every layer runs once per batch. Under torchrun each rank runs ``batches[rank::world]``.
@@ -230,7 +282,7 @@ def collect_grams(model: nn.Module, batches: list[torch.Tensor], names: list[str
         done.update(hook.owner)
 
     try:
-        for i, _layer, _inputs in layerwise(model, batches[rank::size], arch, label="calibration (Gram)"):
+        for i, _layer, _inputs in layerwise(model, batches[rank::size], arch, "calibration (Gram)", dtype):
             if hook is not None:
                 harvest(i - 1)  # layer i - 1 has run on every batch
             prefix = arch.layer_name(i) + "."
@@ -246,14 +298,15 @@ def collect_grams(model: nn.Module, batches: list[torch.Tensor], names: list[str
     if outside:
         raise UsageError(f"calibration covers decoder-layer linears only; {outside[0]} is outside the layers",
                          "drop it from the stage's targets")
-    sensitivity = output_sensitivity(model, names, batches, sensitivity_samples) if sensitivity_samples else {}
+    sensitivity = output_sensitivity(model, names, batches, sensitivity_samples, dtype) if sensitivity_samples else {}
     if rank == 0:
         writer.finish(sensitivity)
     barrier()  # the folder is complete for every rank
     return Stats(writer.folder, scratch=folder is None if scratch is None else scratch)
 
 
-def output_sensitivity(model: nn.Module, names: list[str], batches: list[torch.Tensor], samples: int) -> dict[str, float]:
+def output_sensitivity(model: nn.Module, names: list[str], batches: list[torch.Tensor], samples: int,
+                       dtype: torch.dtype | None = None) -> dict[str, float]:
     """Fisher-style sensitivity of each named linear: the mean over calibration tokens and output
     channels of (∂L/∂y)², L a sequence's mean next-token loss and y the module's output, from the
     first ``samples`` calibration sequences. An error δ in that output raises the loss by about
@@ -264,7 +317,8 @@ def output_sensitivity(model: nn.Module, names: list[str], batches: list[torch.T
     taken at the last layer's output (one sequence at a time through the head), and the
     backward walks the layers in reverse, recomputing one layer at a time and passing the
     gradient at its input on. The weights get no gradients; a module used by several layers
-    sums over its uses. Under torchrun each rank takes its share of the sequences.
+    sums over its uses. The layers run in ``dtype`` (default: the model's), the head in the
+    model's. Under torchrun each rank takes its share of the sequences.
     """
     arch = discover(model)
     offload = offload_of(model)
@@ -286,16 +340,16 @@ def output_sensitivity(model: nn.Module, names: list[str], batches: list[torch.T
             stack.callback(m.register_forward_hook(observe).remove)
         stack.enter_context(frozen(model))  # a graph without weight gradients
         for chunk in ui.track(torch.cat(rows)[rank::size].split(len(rows[0])), "output sensitivity"):
-            hidden, calls = capture_inputs(model, arch, [chunk])
+            hidden, calls = capture_inputs(model, arch, [chunk], dtype)
             inputs = []
             with torch.no_grad():
                 for i in range(arch.num_layers):
                     inputs.append(LayerInputs(hidden, calls[i]))
-                    with offload.onload([i]):
+                    with offload.onload([i]), computing_in(arch.layers[i], dtype):
                         hidden = run_layer(arch.layers[i], inputs[-1])
             grad = torch.cat([_head_gradient(model, arch, ids, h) for ids, h in zip(chunk.split(1), hidden[0].split(1))])
             for i in reversed(range(arch.num_layers)):
-                with offload.onload([i]), torch.enable_grad():
+                with offload.onload([i]), computing_in(arch.layers[i], dtype), torch.enable_grad():
                     x = inputs[i].hidden[0].detach().requires_grad_()
                     args, kwargs = inputs[i].calls[0]
                     out = arch.layers[i](x, *args, **kwargs)
@@ -306,11 +360,12 @@ def output_sensitivity(model: nn.Module, names: list[str], batches: list[torch.T
 
 def _head_gradient(model: nn.Module, arch: Arch, ids: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
     """∂L/∂(last decoder layer's output) for one sequence, L its mean next-token loss: the model
-    runs from the cached output ``last`` on (final norm, LM head) with no weight gradients."""
-    last = last.detach().requires_grad_()
-    with torch.enable_grad(), start_at(arch, arch.num_layers, [last]):
-        logits = model(input_ids=ids.to(last.device), use_cache=False).logits[0, :-1].float()
-        return torch.autograd.grad(F.cross_entropy(logits, ids[0, 1:].to(logits.device)), last)[0]
+    runs from the cached output ``last`` on (final norm, LM head, in the model's dtype) with no
+    weight gradients; the gradient comes in ``last``'s dtype."""
+    x = last.detach().to(next(model.parameters()).dtype).requires_grad_()
+    with torch.enable_grad(), start_at(arch, arch.num_layers, [x]):
+        logits = model(input_ids=ids.to(x.device), use_cache=False).logits[0, :-1].float()
+        return torch.autograd.grad(F.cross_entropy(logits, ids[0, 1:].to(logits.device)), x)[0].to(last.dtype)
 
 
 @contextmanager

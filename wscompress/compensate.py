@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .arch import Arch, get_module, replace_everywhere, set_module, weight_of
-from .calibrate import LayerInputs, Stub, layerwise, run_layer
+from .calibrate import LayerInputs, Stub, computing_in, layerwise, run_layer
 from .linalg import add_gram, refit_coefficients, solve_coefficients, symmetrize
 from .offload import offload_of
 
@@ -276,15 +276,17 @@ class _Normals:
 
 @torch.no_grad()
 def refit_pass(model: nn.Module, arch: Arch, batches: list[torch.Tensor], build: Callable[[int], dict[str, nn.Module]],
-               ridge: float, target: Target) -> None:
+               ridge: float, target: Target, dtype: torch.dtype | None = None) -> None:
     """Compress the model layer by layer, refitting as it goes (see the module docstring):
     ``build(i)``, called with layer i onloaded, returns its low-rank replacements (module name
     -> module with ``basis``/``coeff``, built from the original weights); they are swapped in
     and their coefficients refit on the inputs the compressed layers before produce. A module
-    that several layers share is fitted where it is first used."""
+    that several layers share is fitted where it is first used. The layers run in ``dtype``
+    (default: the model's); the normal equations are summed in float64 and the coefficients
+    written in the model's dtype."""
     offload = offload_of(model)
     reference: list[torch.Tensor] | None = None  # the original model's hidden states (target "model")
-    for i, layer, inputs in layerwise(model, batches, arch, label="refit (error compensation)"):
+    for i, layer, inputs in layerwise(model, batches, arch, "refit (error compensation)", dtype):
         if target == "model" and reference is None:
             reference = list(inputs.hidden)  # layer 0's input is the same in both models
         new = build(i)
@@ -306,11 +308,12 @@ def refit_pass(model: nn.Module, arch: Arch, batches: list[torch.Tensor], build:
             ends_ref = _Ends(layer, candidates, originals, low_rank=False)
             normals: _Normals | None = None
             for b, (hidden, (args, kwargs)) in enumerate(zip(inputs.hidden, inputs.calls)):
-                with replays("compressed", b, pending), ends(b):
+                with replays("compressed", b, pending), ends(b), computing_in(layer, dtype):
                     x = first(layer, hidden, args, kwargs)
                 x_ref = None
                 if not same:
-                    with _originals(model, originals, new), replays("original", b, pending), ends_ref(b):
+                    with _originals(model, originals, new), replays("original", b, pending), ends_ref(b), \
+                            computing_in(layer, dtype):
                         x_ref = ref(layer, ref_inputs.hidden[b], args, kwargs)
                 if normals is None:
                     names = first.names
@@ -326,7 +329,8 @@ def refit_pass(model: nn.Module, arch: Arch, batches: list[torch.Tensor], build:
                 pending.pop(n).coeff.weight.copy_(c)
             ends.publish(replays, "compressed", changes)
             ends_ref.publish(replays, "original", {})
-        inputs.outputs = run_layer(layer, inputs, lambda b: replays("compressed", b, (), record=False))
+        with computing_in(layer, dtype):
+            inputs.outputs = run_layer(layer, inputs, lambda b: replays("compressed", b, (), record=False))
         if target == "model":
-            with _originals(model, originals, new):
+            with _originals(model, originals, new), computing_in(layer, dtype):
                 reference = run_layer(layer, ref_inputs, lambda b: replays("original", b, (), record=False))

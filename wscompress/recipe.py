@@ -60,6 +60,10 @@ class CalibrationConfig(Strict):
     sampling: Literal["uniform", "gptq"] = Field("uniform", description="uniform (torch generator) or gptq (the "
                                                  "GPTQ/SVD-LLM scripts' random.randint sampler, reproducible across tools)")
     bos: Literal["auto", "window", "stream", "none"] = Field("auto", description=BOS_HELP)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="what the calibration passes compute in (statistics are summed in float64 whatever it "
+                            "is): auto = bfloat16 for a float32 model where the device multiplies it natively, else "
+                            "the model's dtype")
 
 
 class StageConfig(Strict):

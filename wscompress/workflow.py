@@ -29,6 +29,7 @@ class Context:
         self.recipe, self.tokenizer = recipe, tokenizer
         self.workdir = workdir  # where statistics computed for one stage go (default: the system's temp folder)
         self._batches: list[torch.Tensor] | None = None
+        self._dtype: torch.dtype | None = None
         self.stages_done = 0  # saved statistics describe the model before the first stage only
 
     def calibration(self) -> list[torch.Tensor]:
@@ -48,12 +49,23 @@ class Context:
             return None
         c = self.recipe.calibration
         return {"dataset": c.dataset, "num_samples": c.num_samples, "seq_len": c.seq_len, "sampling": c.sampling,
-                "bos": data.resolve_bos(self.tokenizer, c.bos)}
+                "bos": data.resolve_bos(self.tokenizer, c.bos), "dtype": self._dtype_name()}
+
+    def dtype(self, model: nn.Module) -> torch.dtype:
+        """What the calibration passes compute in (``calibration.dtype`` resolved for this model,
+        once: a stage that changes the model does not change it)."""
+        if self._dtype is None:
+            self._dtype = calibrate.compute_dtype(self.recipe.calibration.dtype, model)
+        return self._dtype
+
+    def _dtype_name(self) -> str | None:
+        return None if self._dtype is None else str(self._dtype).removeprefix("torch.")
 
     def stats_meta(self, model: nn.Module) -> dict:
         c = self.recipe.calibration
         return {"model": fingerprint(model), "dataset": c.dataset, "num_samples": c.num_samples,
                 "seq_len": c.seq_len, "seed": c.seed, "sampling": c.sampling,
+                "dtype": str(self.dtype(model)).removeprefix("torch."),
                 "bos": data.resolve_bos(self.tokenizer, c.bos) if self.tokenizer is not None else c.bos}
 
     def stats(self, model: nn.Module, names: list[str], sensitivity_samples: int = 0) -> Stats:
@@ -68,11 +80,12 @@ class Context:
             if all(n in stats.owner for n in names):
                 if sensitivity_samples and (stats.meta.get("sensitivity_samples") != sensitivity_samples
                                             or not all(n in stats.sensitivity for n in names)):
-                    stats.sensitivity = calibrate.output_sensitivity(model, names, self.calibration(), sensitivity_samples)
+                    stats.sensitivity = calibrate.output_sensitivity(model, names, self.calibration(), sensitivity_samples,
+                                                                     self.dtype(model))
                 return stats
             ui.log(f"[yellow]{folder} lacks some targets; recomputing statistics[/]")
         return calibrate.collect_grams(model, self.calibration(), names, scratch_folder(self.workdir),
-                                       sensitivity_samples=sensitivity_samples, scratch=True)
+                                       sensitivity_samples=sensitivity_samples, scratch=True, dtype=self.dtype(model))
 
 
 Section = Literal["calibration", "finetune", "eval"]
@@ -146,7 +159,7 @@ def step_calibrate(recipe: Recipe) -> dict:
     samples = max((s.sensitivity_samples for s in recipe.compress if getattr(s, "allocates", False)), default=0)
     with distributed.shared_atomic_dir(stats_dir(recipe)) as folder:
         stats = calibrate.collect_grams(model, ctx.calibration(), names, folder, ctx.stats_meta(model), samples,
-                                        scratch=False)
+                                        scratch=False, dtype=ctx.dtype(model))
     out = {"folder": str(stats_dir(recipe)), "calibration": ctx.describe(), "modules": len(stats.owner),
            "gram_matrices": len(stats), "tokens": sum(b.numel() for b in ctx.calibration()),
            "processes": distributed.world()[1], "seconds": round(time.perf_counter() - start, 2),

@@ -181,7 +181,8 @@ def apply(model: nn.Module, cfg: BasisSharingConfig, ctx) -> dict:
                         built.update(build(g))
                 return {n: built.pop(n) for n in list(built) if chosen[n][0] == i}
 
-            refit_pass(model, arch, first_samples(ctx.calibration(), cfg.refit_samples), layer, cfg.ridge, cfg.refit_target)
+            refit_pass(model, arch, first_samples(ctx.calibration(), cfg.refit_samples), layer, cfg.ridge, cfg.refit_target,
+                       ctx.dtype(model))
         else:
             for g, group in enumerate(offload.groups(groups, "basis sharing groups")):
                 for n, module in build(g).items():

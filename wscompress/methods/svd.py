@@ -178,7 +178,8 @@ def apply(model: nn.Module, cfg: SVDConfig, ctx) -> dict:
 
     with torch.no_grad():
         if cfg.refit:
-            refit_pass(model, arch, first_samples(ctx.calibration(), cfg.refit_samples), build, cfg.ridge, cfg.refit_target)
+            refit_pass(model, arch, first_samples(ctx.calibration(), cfg.refit_samples), build, cfg.ridge, cfg.refit_target,
+                       ctx.dtype(model))
         else:
             for (i,) in offload.groups(layers, "svd layers"):
                 for name, module in build(i).items():
