@@ -19,6 +19,7 @@ its share of the calibration batches and the statistics are summed over ranks wi
 
 from __future__ import annotations
 
+import functools
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -124,19 +125,27 @@ def start_at(arch: Arch, first: int, hidden: list[torch.Tensor]):
 
 def compute_dtype(setting: str, model: nn.Module) -> torch.dtype:
     """The dtype the calibration passes run in. ``auto``: bfloat16 for a float32 model where the
-    device multiplies bfloat16 natively (a GPU that has it, a CPU with AVX-512 or AMX; the
-    statistics come out the same to the noise, at 2-3x the matmul speed), else the model's own."""
+    device multiplies bfloat16 natively (the statistics come out the same to the noise, at 2-3x
+    the matmul speed), else the model's own."""
     own = next(model.parameters()).dtype
     if setting != "auto":
         return getattr(torch, setting)
     return torch.bfloat16 if own == torch.float32 and native_bfloat16(model_device(model)) else own
 
 
+@functools.cache
 def native_bfloat16(device: torch.device) -> bool:
-    """Whether ``device`` multiplies bfloat16 in hardware (elsewhere it is emulated, slower than float32)."""
+    """Whether ``device`` multiplies bfloat16 in hardware: a GPU that has it, or a CPU with
+    AVX-512 BF16 or AMX that oneDNN uses (elsewhere bfloat16 is emulated, slower than float32)."""
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported(including_emulation=False)
-    return device.type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    if device.type != "cpu" or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return False
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:  # not Linux: no way to tell, so no
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 @contextmanager
