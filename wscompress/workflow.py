@@ -49,7 +49,7 @@ class Context:
             return None
         c = self.recipe.calibration
         return {"dataset": c.dataset, "num_samples": c.num_samples, "seq_len": c.seq_len, "sampling": c.sampling,
-                "bos": data.resolve_bos(self.tokenizer, c.bos), "dtype": self._dtype_name()}
+                "bos": data.resolve_bos(self.tokenizer, c.bos), "dtype": self._dtype and _name(self._dtype)}
 
     def dtype(self, model: nn.Module) -> torch.dtype:
         """What the calibration passes compute in (``calibration.dtype`` resolved for this model,
@@ -58,14 +58,11 @@ class Context:
             self._dtype = calibrate.compute_dtype(self.recipe.calibration.dtype, model)
         return self._dtype
 
-    def _dtype_name(self) -> str | None:
-        return None if self._dtype is None else str(self._dtype).removeprefix("torch.")
-
     def stats_meta(self, model: nn.Module) -> dict:
         c = self.recipe.calibration
         return {"model": fingerprint(model), "dataset": c.dataset, "num_samples": c.num_samples,
                 "seq_len": c.seq_len, "seed": c.seed, "sampling": c.sampling,
-                "dtype": str(self.dtype(model)).removeprefix("torch."),
+                "dtype": _name(self.dtype(model)),
                 "bos": data.resolve_bos(self.tokenizer, c.bos) if self.tokenizer is not None else c.bos}
 
     def stats(self, model: nn.Module, names: list[str], sensitivity_samples: int = 0) -> Stats:
@@ -86,6 +83,10 @@ class Context:
             ui.log(f"[yellow]{folder} lacks some targets; recomputing statistics[/]")
         return calibrate.collect_grams(model, self.calibration(), names, scratch_folder(self.workdir),
                                        sensitivity_samples=sensitivity_samples, scratch=True, dtype=self.dtype(model))
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 Section = Literal["calibration", "finetune", "eval"]
