@@ -13,6 +13,7 @@ default was tuned on).
 
 Writes outputs/protocol/results.{json,md} after every row and prints the tables.
 Usage: python scripts/bench_protocol.py [--rows svd-llm bs-g2 ...] [--ratios 0.2 0.4] [--bits 3 4] [--windows 40]
+       [--set calibration.dtype=float32 --out outputs/protocol-float32]  (the same with float32 passes)
 """
 
 from __future__ import annotations
@@ -122,14 +123,17 @@ def main() -> None:
     ap.add_argument("--bits", type=int, nargs="+", default=[2, 3, 4])
     ap.add_argument("--windows", type=int, default=40)
     ap.add_argument("--out", type=Path, default=REPO / "outputs" / "protocol")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="recipe override for both steps and every row, e.g. calibration.dtype=float32")
     args = ap.parse_args()
     out = args.out.resolve()
-    recipe = load_recipe(CONFIG, [f"output.dir={out}"])
+    recipe = load_recipe(CONFIG, [f"output.dir={out}", *args.set])
 
     def cli(step: str, done: Path) -> dict:
         """One step as a user runs it (a fresh process), unless an earlier invocation did; its report."""
         if not done.is_file():
-            subprocess.run([sys.executable, "-m", "wscompress.cli", step, str(CONFIG), "-o", str(out), "-q"],
+            sets = [a for kv in args.set for a in ("-s", kv)]
+            subprocess.run([sys.executable, "-m", "wscompress.cli", step, str(CONFIG), "-o", str(out), "-q", *sets],
                            check=True, cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1"})
         return json.loads((out / "reports" / f"{step}.json").read_text())
 

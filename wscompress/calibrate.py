@@ -19,7 +19,6 @@ its share of the calibration batches and the statistics are summed over ranks wi
 
 from __future__ import annotations
 
-import functools
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +34,7 @@ from . import linalg, ui
 from .arch import Arch, discover, get_module
 from .data import first_samples
 from .errors import UsageError
-from .model import model_device
+from .model import model_device, native_bfloat16
 from .offload import offload_of
 from .distributed import barrier, reduced, world
 from .stats import Stats, StatsWriter, scratch_folder
@@ -131,21 +130,6 @@ def compute_dtype(setting: str, model: nn.Module) -> torch.dtype:
     if setting != "auto":
         return getattr(torch, setting)
     return torch.bfloat16 if own == torch.float32 and native_bfloat16(model_device(model)) else own
-
-
-@functools.cache
-def native_bfloat16(device: torch.device) -> bool:
-    """Whether ``device`` multiplies bfloat16 in hardware: a GPU that has it, or a CPU with
-    AVX-512 BF16 or AMX that oneDNN uses (elsewhere bfloat16 is emulated, slower than float32)."""
-    if device.type == "cuda":
-        return torch.cuda.is_bf16_supported(including_emulation=False)
-    if device.type != "cpu" or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        return False
-    try:
-        flags = Path("/proc/cpuinfo").read_text().split()
-    except OSError:  # not Linux: no way to tell, so no
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 @contextmanager

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import subprocess
@@ -73,6 +74,25 @@ def resolve_device(device: str) -> torch.device:
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise UsageError(f"model.device is {device!r} but no CUDA device is available", "set model.device: auto or cpu")
     return torch.device(device)
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (from /proc/cpuinfo; none where there is no such file)."""
+    try:
+        return set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return set()
+
+
+@functools.cache
+def native_bfloat16(device: torch.device) -> bool:
+    """Whether ``device`` multiplies bfloat16 in hardware: a GPU that has it, or a CPU with
+    AVX-512 BF16 or AMX that oneDNN uses (elsewhere bfloat16 is emulated, slower than float32)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported(including_emulation=False)
+    if device.type != "cpu" or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return False
+    return not cpu_flags().isdisjoint({"avx512_bf16", "amx_bf16"})
 
 
 def resolve_dtype(dtype: str) -> torch.dtype | str:

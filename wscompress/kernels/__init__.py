@@ -34,7 +34,7 @@ def _disabled() -> bool:
 def _load(source: str) -> tuple[ModuleType | None, str]:
     if _disabled():
         return None, "disabled by WSCOMPRESS_KERNELS=0"
-    from ..model import cache_dir
+    from ..model import cache_dir, cpu_flags
 
     build = cache_dir() / "kernels" / f"torch-{torch.__version__}" / source
     build.mkdir(parents=True, exist_ok=True)
@@ -45,7 +45,7 @@ def _load(source: str) -> tuple[ModuleType | None, str]:
                       build_directory=str(build), verbose=False, extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
     except Exception as err:  # noqa: BLE001 - any build or load failure means: use the torch path
         return None, f"not built ({_why(err)})"
-    flags = _cpu_flags()
+    flags = cpu_flags()
     return module, f"{source}.cpp ({'AVX-512' if 'avx512f' in flags else 'AVX2' if 'avx2' in flags else 'scalar'})"
 
 
@@ -65,13 +65,6 @@ def _staged(src: Path, build: Path) -> Path:
 def _why(err: Exception) -> str:
     """An error in one line, for ``status``."""
     return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-
-
-def _cpu_flags() -> str:
-    try:
-        return Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return ""
 
 
 def lut() -> ModuleType | None:
