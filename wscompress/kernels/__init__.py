@@ -4,7 +4,7 @@ decoding in Triton (``lut_triton.py``), used where Triton is installed (CUDA bui
 bring it).
 
 ``make install`` builds them (``python -m wscompress.kernels.build``) with torch's C++ extension
-tools into ``<cache>/kernels/torch-<version>/<name>``; later processes load the built libraries. Where
+tools into ``<cache>/kernels/torch-<version>-<where>/<name>``; later processes load the built libraries. Where
 they cannot be built or loaded (no compiler, an unusual platform) or ``WSCOMPRESS_KERNELS=0``,
 ``lut()`` / ``lowrank()`` return None, ``status()`` says why, and layers use their pure-torch
 path, which gives the same results. A Triton kernel that fails to compile on a GPU is
@@ -13,6 +13,7 @@ reported once and the torch path takes over.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import warnings
 from functools import cache
@@ -36,7 +37,7 @@ def _load(source: str) -> tuple[ModuleType | None, str]:
         return None, "disabled by WSCOMPRESS_KERNELS=0"
     from ..model import cache_dir, cpu_flags
 
-    build = cache_dir() / "kernels" / f"torch-{torch.__version__}" / source
+    build = cache_dir() / "kernels" / _torch_install() / source
     build.mkdir(parents=True, exist_ok=True)
     try:
         from torch.utils.cpp_extension import load
@@ -47,6 +48,15 @@ def _load(source: str) -> tuple[ModuleType | None, str]:
         return None, f"not built ({_why(err)})"
     flags = cpu_flags()
     return module, f"{source}.cpp ({'AVX-512' if 'avx512f' in flags else 'AVX2' if 'avx2' in flags else 'scalar'})"
+
+
+def _torch_install() -> str:
+    """A folder name for this torch installation: its version and where it lives. The compile
+    command names torch's headers by path, so two environments (a CI clone's virtual
+    environment beside a working copy's) sharing one build folder rebuilt each other's
+    library, ~27 s, whenever they took turns."""
+    where = hashlib.sha1(str(Path(torch.__file__).resolve().parent).encode()).hexdigest()[:10]
+    return f"torch-{torch.__version__}-{where}"
 
 
 def _staged(src: Path, build: Path) -> Path:
