@@ -194,6 +194,24 @@ def test_gram_by_symmetric_update_equals_the_full_product(width):
     torch.testing.assert_close(gram(x[:, ::2]), x[:, ::2].double().T @ x[:, ::2].double())  # a strided view
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_sixteen_bit_batches_are_summed_to_float64_precision(dtype):
+    """A 16-bit batch's products are formed in float32 (they are exact there), then summed in
+    float64: the Gram matrix and cross products of the 16-bit values within ~1e-6 of float64's."""
+    from wscompress.linalg import add_gram, add_product, product_dtype, symmetrize
+
+    gen = torch.Generator().manual_seed(0)
+    x, y = (3 * torch.randn(2, 4096, 96, generator=gen)).to(dtype), torch.randn(2, 4096, 40, generator=gen).to(dtype)
+    assert product_dtype(x) == torch.float32 and product_dtype(x.float()) == torch.float64
+    g, c = None, None
+    for b in range(2):  # two batches into one float64 sum
+        g, c = add_gram(g, x[b]), add_product(c, x[b], y[b])
+    xd, yd = x.double().flatten(0, 1), y.double().flatten(0, 1)
+    assert g.dtype == c.dtype == torch.float64
+    torch.testing.assert_close(symmetrize(g), xd.T @ xd, rtol=1e-6, atol=1e-6 * (xd.T @ xd).abs().max().item())
+    torch.testing.assert_close(c, xd.T @ yd, rtol=1e-6, atol=1e-6 * (xd.T @ yd).abs().max().item())
+
+
 def test_factors_are_balanced():
     """Each rank component's coefficient column and basis row have equal norms (a fine-tuning
     step then moves both alike; whitened bases are otherwise orders of magnitude smaller)."""
@@ -213,7 +231,7 @@ def test_refit_normal_equations_agree_by_either_route(through_outputs):
     torch.manual_seed(0)
     x, w, basis = torch.randn(300, 40), torch.randn(12, 40), torch.randn(5, 40)
     x_ref = x + 0.3 * torch.randn(300, 40)  # what the original layer feeds the module
-    normals = _Normals({"m": w}, {"m": basis}, same=False)
+    normals = _Normals({"m": w}, {"m": basis}, same=False, dtype=torch.float32)
     assert normals.through_outputs  # 40·(5 + 12) + 5·(12 + 2.5) < 1.5·40²: the outputs are cheaper here
     normals.through_outputs = through_outputs
     for rows in (slice(0, 100), slice(100, 300)):  # two batches

@@ -46,7 +46,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .arch import Arch, get_module, replace_everywhere, set_module, weight_of
 from .calibrate import LayerInputs, Stub, computing_in, layerwise, run_layer
-from .linalg import add_gram, refit_coefficients, solve_coefficients, symmetrize
+from .linalg import add_gram, add_product, refit_coefficients, solve_coefficients, symmetrize
 from .offload import offload_of
 
 Target = Literal["function", "layer", "model"]
@@ -233,12 +233,13 @@ class _Normals:
     reading X'. Through each module's outputs, A = ZᵀZ and R = YᵀZ with Z = X'·Bᵀ and
     Y = X·Wᵀ: d_in·(k + d_out) + k·(d_out + k/2) a token. The cheaper one is taken: the outputs
     for a wide input such as the down projection's (about 2.5x fewer at the ranks used), the
-    Gram matrices for the others. Z and Y are the module's outputs, computed in float32 as the
-    model computes them (at twice float64's speed); their products are summed in float64."""
+    Gram matrices for the others. Z and Y are the module's outputs, computed in the pass's dtype
+    as the model computes them; their products are summed in float64 (see
+    ``linalg.product_dtype``)."""
 
-    def __init__(self, weights: dict[str, torch.Tensor], bases: dict[str, torch.Tensor], same: bool):
-        self.weights = {n: w.float() for n, w in weights.items()}
-        self.bases = {n: b.float() for n, b in bases.items()}
+    def __init__(self, weights: dict[str, torch.Tensor], bases: dict[str, torch.Tensor], same: bool, dtype: torch.dtype):
+        self.weights = {n: w.to(dtype) for n, w in weights.items()}
+        self.bases = {n: b.to(dtype) for n, b in bases.items()}
         self.same = same
         d_in = next(iter(weights.values())).shape[1]
         outputs = sum(d_in * (b.shape[0] + w.shape[0]) + b.shape[0] * (w.shape[0] + b.shape[0] / 2)
@@ -253,17 +254,15 @@ class _Normals:
         """One batch: what the modules read in the compressed model (x) and in the target
         (x_ref; None when it is x)."""
         if not self.through_outputs:
-            x = x.double()
             self.gram = add_gram(self.gram, x)  # lower triangle
             if not self.same:
-                x_ref = x if x_ref is None else x_ref.double()
-                self.cross = x_ref.T @ x if self.cross is None else self.cross.addmm_(x_ref.T, x)
+                self.cross = add_product(self.cross, x if x_ref is None else x_ref, x)
             return
         x_ref = x if x_ref is None else x_ref
         for n, w in self.weights.items():
-            z, y = (x.float() @ self.bases[n].T).double(), (x_ref.float() @ w.T).double()
+            z, y = F.linear(x, self.bases[n]), F.linear(x_ref, w)
             self.a[n] = add_gram(self.a.get(n), z)
-            self.r[n] = y.T @ z if n not in self.r else self.r[n].addmm_(y.T, z)
+            self.r[n] = add_product(self.r.get(n), y, z)
 
     def solve(self, ridge: float, priors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Each module's refit coefficients (float64)."""
@@ -317,7 +316,7 @@ def refit_pass(model: nn.Module, arch: Arch, batches: list[torch.Tensor], build:
                         x_ref = ref(layer, ref_inputs.hidden[b], args, kwargs)
                 if normals is None:
                     names = first.names
-                    normals = _Normals({n: weights[n] for n in names}, {n: new[n].basis.weight for n in names}, same)
+                    normals = _Normals({n: weights[n] for n in names}, {n: new[n].basis.weight for n in names}, same, x.dtype)
                     first.through = ends.settle(names)
                     # the original stream's block output is needed by later stages or a reference pass
                     needed = not same and (len(pending) > len(names) or target == "model")
