@@ -68,6 +68,23 @@ def test_output_sensitivity_is_the_mean_squared_output_gradient():
     assert got == pytest.approx(expected, rel=1e-4)
 
 
+@pytest.mark.parametrize("samples", [3, 4, 6])
+def test_sensitivities_with_the_gram_pass_equal_a_pass_of_their_own(samples, monkeypatch):
+    """The calibration pass hands its first batch's forward to the sensitivity pass (the first
+    chunk is that batch): the same sensitivities as a pass that runs its own forward."""
+    model = tiny_model("llama")
+    arch = discover(model)
+    names = [n for i in range(arch.num_layers) for n in arch.projections(i).values()]
+    batches = list(torch.randint(0, 512, (8, 16), generator=torch.Generator().manual_seed(3)).split(2))
+    forwards = []
+    capture = calibrate.capture_inputs
+    monkeypatch.setattr(calibrate, "capture_inputs", lambda *a, **k: forwards.append(1) or capture(*a, **k))
+    got = calibrate.collect_grams(model, batches, names, sensitivity_samples=samples).sensitivity
+    assert len(forwards) == 1 + (samples + 1) // 2 - 1  # the Gram pass, then each chunk but the first
+    monkeypatch.undo()
+    assert got == pytest.approx(calibrate.output_sensitivity(model, names, batches, samples), rel=1e-6)
+
+
 @pytest.mark.parametrize("method", ["svd", "basis_sharing"])
 @pytest.mark.parametrize("ratio", [0.2, 0.5])
 def test_fisher_allocation_removes_the_exact_share_and_saves(method, ratio, tokenizer, tmp_path):

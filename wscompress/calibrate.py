@@ -274,13 +274,17 @@ def collect_grams(model: nn.Module, batches: list[torch.Tensor], names: list[str
             writer.layer(i, grams, hook.owner)
         done.update(hook.owner)
 
+    # The sensitivity pass's first chunk is batch 0 (one process): its forward is this pass's.
+    first: list[LayerInputs] | None = [] if sensitivity_samples >= len(batches[0]) and size == 1 else None
     try:
-        for i, _layer, _inputs in layerwise(model, batches[rank::size], arch, "calibration (Gram)", dtype):
+        for i, _layer, inputs in layerwise(model, batches[rank::size], arch, "calibration (Gram)", dtype):
             if hook is not None:
                 harvest(i - 1)  # layer i - 1 has run on every batch
             prefix = arch.layer_name(i) + "."
             mine = {n: get_module(model, n) for n in names if n.startswith(prefix)}
             hook = GramHook(mine) if mine else None
+            if first is not None:
+                first.append(LayerInputs(inputs.hidden[:1], inputs.calls[:1]))
         if hook is not None:
             harvest(arch.num_layers - 1)
             hook = None
@@ -291,7 +295,9 @@ def collect_grams(model: nn.Module, batches: list[torch.Tensor], names: list[str
     if outside:
         raise UsageError(f"calibration covers decoder-layer linears only; {outside[0]} is outside the layers",
                          "drop it from the stage's targets")
-    sensitivity = output_sensitivity(model, names, batches, sensitivity_samples, dtype) if sensitivity_samples else {}
+    forward = (first, inputs.outputs[:1]) if first else None  # layerwise ran the last layer on its inputs
+    del inputs  # the last layer's outputs for every batch
+    sensitivity = output_sensitivity(model, names, batches, sensitivity_samples, dtype, forward) if sensitivity_samples else {}
     if rank == 0:
         writer.finish(sensitivity)
     barrier()  # the folder is complete for every rank
@@ -299,7 +305,8 @@ def collect_grams(model: nn.Module, batches: list[torch.Tensor], names: list[str
 
 
 def output_sensitivity(model: nn.Module, names: list[str], batches: list[torch.Tensor], samples: int,
-                       dtype: torch.dtype | None = None) -> dict[str, float]:
+                       dtype: torch.dtype | None = None,
+                       forward: tuple[list[LayerInputs], list[torch.Tensor]] | None = None) -> dict[str, float]:
     """Fisher-style sensitivity of each named linear: the mean over calibration tokens and output
     channels of (∂L/∂y)², L a sequence's mean next-token loss and y the module's output, from the
     first ``samples`` calibration sequences. An error δ in that output raises the loss by about
@@ -311,7 +318,9 @@ def output_sensitivity(model: nn.Module, names: list[str], batches: list[torch.T
     backward walks the layers in reverse, recomputing one layer at a time and passing the
     gradient at its input on. The weights get no gradients; a module used by several layers
     sums over its uses. The layers run in ``dtype`` (default: the model's), the head in the
-    model's. Under torchrun each rank takes its share of the sequences.
+    model's. Under torchrun each rank takes its share of the sequences. ``forward``, when
+    given, is the first chunk's forward already run (every layer's inputs, the last one's
+    output), as the Gram pass runs it for its first batch.
     """
     arch = discover(model)
     offload = offload_of(model)
@@ -332,14 +341,17 @@ def output_sensitivity(model: nn.Module, names: list[str], batches: list[torch.T
         for m in {id(m): m for m in modules.values()}.values():
             stack.callback(m.register_forward_hook(observe).remove)
         stack.enter_context(frozen(model))  # a graph without weight gradients
-        for chunk in ui.track(torch.cat(rows)[rank::size].split(len(rows[0])), "output sensitivity"):
-            hidden, calls = capture_inputs(model, arch, [chunk], dtype)
-            inputs = []
-            with torch.no_grad():
-                for i in range(arch.num_layers):
-                    inputs.append(LayerInputs(hidden, calls[i]))
-                    with offload.onload([i]), computing_in(arch.layers[i], dtype):
-                        hidden = run_layer(arch.layers[i], inputs[-1])
+        for c, chunk in enumerate(ui.track(torch.cat(rows)[rank::size].split(len(rows[0])), "output sensitivity")):
+            if c == 0 and forward:
+                inputs, hidden = forward
+            else:
+                hidden, calls = capture_inputs(model, arch, [chunk], dtype)
+                inputs = []
+                with torch.no_grad():
+                    for i in range(arch.num_layers):
+                        inputs.append(LayerInputs(hidden, calls[i]))
+                        with offload.onload([i]), computing_in(arch.layers[i], dtype):
+                            hidden = run_layer(arch.layers[i], inputs[-1])
             grad = torch.cat([_head_gradient(model, arch, ids, h) for ids, h in zip(chunk.split(1), hidden[0].split(1))])
             for i in reversed(range(arch.num_layers)):
                 with offload.onload([i]), computing_in(arch.layers[i], dtype), torch.enable_grad():
