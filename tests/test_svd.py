@@ -239,3 +239,18 @@ def test_refit_normal_equations_agree_by_either_route(through_outputs):
     c = normals.solve(0.0, {"m": None})["m"]
     best = torch.linalg.lstsq((x @ basis.T).double(), (x_ref @ w.T).double()).solution.T
     torch.testing.assert_close(c, best, atol=1e-6, rtol=1e-6)
+
+
+def test_bfloat16_refit_solves_with_the_model_s_own_weights():
+    """In a bfloat16 pass the activations are bfloat16, but the Gram route's solve uses the
+    weight and basis as the model holds them (float32), not their bfloat16 roundings."""
+    from wscompress.compensate import _Normals
+
+    torch.manual_seed(0)
+    x, w, basis = torch.randn(400, 64).bfloat16(), torch.randn(48, 64), torch.randn(40, 64)
+    normals = _Normals({"m": w}, {"m": basis}, same=True, dtype=torch.bfloat16)
+    assert not normals.through_outputs
+    normals.add(x, None)
+    c = normals.solve(0.0, {"m": None})["m"]
+    xd = x.double()
+    torch.testing.assert_close(c, refit_coefficients(w, basis, xd.T @ xd), rtol=1e-5, atol=1e-5)

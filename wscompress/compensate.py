@@ -238,13 +238,14 @@ class _Normals:
     ``linalg.product_dtype``)."""
 
     def __init__(self, weights: dict[str, torch.Tensor], bases: dict[str, torch.Tensor], same: bool, dtype: torch.dtype):
-        self.weights = {n: w.to(dtype) for n, w in weights.items()}
-        self.bases = {n: b.to(dtype) for n, b in bases.items()}
+        self.weights, self.bases = weights, bases  # as the model holds them: the Gram route solves with these
         self.same = same
         d_in = next(iter(weights.values())).shape[1]
         outputs = sum(d_in * (b.shape[0] + w.shape[0]) + b.shape[0] * (w.shape[0] + b.shape[0] / 2)
                       for w, b in zip(weights.values(), bases.values()))
         self.through_outputs = not same and outputs < 1.5 * d_in * d_in
+        # the outputs route computes Z and Y as the pass runs the modules: in its dtype
+        self.fast = {n: (weights[n].to(dtype), bases[n].to(dtype)) for n in weights} if self.through_outputs else {}
         self.gram: torch.Tensor | None = None
         self.cross: torch.Tensor | None = None
         self.a: dict[str, torch.Tensor] = {}
@@ -259,8 +260,8 @@ class _Normals:
                 self.cross = add_product(self.cross, x if x_ref is None else x_ref, x)
             return
         x_ref = x if x_ref is None else x_ref
-        for n, w in self.weights.items():
-            z, y = F.linear(x, self.bases[n]), F.linear(x_ref, w)
+        for n, (w, basis) in self.fast.items():
+            z, y = F.linear(x, basis), F.linear(x_ref, w)
             self.a[n] = add_gram(self.a.get(n), z)
             self.r[n] = add_product(self.r.get(n), y, z)
 
@@ -316,7 +317,7 @@ def refit_pass(model: nn.Module, arch: Arch, batches: list[torch.Tensor], build:
                         x_ref = ref(layer, ref_inputs.hidden[b], args, kwargs)
                 if normals is None:
                     names = first.names
-                    normals = _Normals({n: weights[n] for n in names}, {n: new[n].basis.weight for n in names}, same, x.dtype)
+                    normals = _Normals({n: weights[n] for n in names}, {n: new[n].basis.weight.detach() for n in names}, same, x.dtype)
                     first.through = ends.settle(names)
                     # the original stream's block output is needed by later stages or a reference pass
                     needed = not same and (len(pending) > len(names) or target == "model")
