@@ -60,6 +60,33 @@ def test_large_tensors_are_advised_onto_huge_pages():
     assert advised == {"off": "False", "on": "True"}
 
 
+SPIN = """
+import sys, time
+from wscompress.memory import idle_blas_threads
+if sys.argv[1] == "on":
+    idle_blas_threads()
+import numpy as np
+from scipy.linalg.blas import ssyrk
+x = np.random.default_rng(0).standard_normal((500, 4000), dtype=np.float32)
+for _ in range(5):
+    ssyrk(1.0, x)
+start = time.process_time()
+time.sleep(0.3)  # the process's own thread does nothing: what it spends is OpenBLAS's threads
+print(time.process_time() - start)
+"""
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="OpenBLAS runs threads only on several cores")
+def test_blas_threads_sleep_once_a_call_ends():
+    """What the CLI sets up before scipy loads makes OpenBLAS's threads sleep when a call ends;
+    by default they spin ~0.1 s on the cores torch's next layer needs."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_THREAD_TIMEOUT", "OPENBLAS_NUM_THREADS",
+                                                             "OMP_NUM_THREADS")}
+    spent = {mode: float(subprocess.run([sys.executable, "-c", SPIN, mode], capture_output=True, text=True,
+                                        check=True, env=env).stdout) for mode in ("off", "on")}
+    assert spent["off"] > 0.03 and spent["on"] < 0.01, spent
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/maps")
 def test_file_backed_tells_a_mapped_checkpoint_from_process_memory(tmp_path):
     import torch

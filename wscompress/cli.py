@@ -10,7 +10,7 @@ from typing import Callable, List, Optional
 import typer
 
 from . import ui
-from .memory import return_large_frees, tensors_on_huge_pages
+from .memory import idle_blas_threads, return_large_frees, tensors_on_huge_pages
 from .errors import UsageError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -158,6 +158,7 @@ def check(recipe: Path = RecipeArg, set: Optional[List[str]] = SetOpt, quiet: bo
 def main() -> None:
     return_large_frees()
     tensors_on_huge_pages()
+    idle_blas_threads()
     app()
 
 
