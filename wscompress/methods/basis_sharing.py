@@ -75,7 +75,7 @@ def relative(w: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
     every layer then weighs by its relative error, not by the size of its activations (which
     grows with depth and would let the group's last layers claim the shared basis)."""
     w = w.double()
-    return gram / torch.trace(w @ gram @ w.T).clamp_min(1e-30)
+    return gram / ((w @ gram) * w).sum().clamp_min(1e-30)  # the trace without the (out, out) product
 
 
 def layer_groups(num_layers: int, group_size: int) -> list[list[int]]:
