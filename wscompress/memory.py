@@ -69,7 +69,8 @@ def tensors_on_huge_pages() -> None:
 def idle_blas_threads() -> None:
     """Have OpenBLAS's threads (scipy's, which forms the Gram matrices) sleep as soon as a call
     ends instead of spinning for 2^28 cycles (~0.1 s) first: between two Gram updates torch runs
-    the next layer on the same cores, and the spinning threads halved its speed (a bfloat16
-    linear between two ``ssyrk`` calls: 77 ms, 37 ms with this; the ``ssyrk`` got faster too).
+    the next layer on the same cores, and the spinning threads halved its speed (SmolLM2's
+    up and down projections between Gram updates: 73.8 ms, 36.6 ms with this;
+    ``scripts/bench_blas_threads.py``).
     Read when OpenBLAS loads, so call this before scipy does. The user's own setting wins."""
     os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
