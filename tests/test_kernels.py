@@ -104,7 +104,7 @@ def test_another_checkout_reuses_the_built_kernels(tmp_path):
 
     from wscompress.model import cache_dir
 
-    libraries = sorted((cache_dir() / "kernels" / f"torch-{torch.__version__}").rglob("*.so"))
+    libraries = sorted((cache_dir() / "kernels" / kernels._torch_install()).rglob("*.so"))
     built = [p.stat().st_mtime_ns for p in libraries]
     shutil.copytree(Path(wscompress.__file__).parent, tmp_path / "wscompress",
                     ignore=shutil.ignore_patterns("__pycache__"))
