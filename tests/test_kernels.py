@@ -210,3 +210,34 @@ def test_a_triton_kernel_that_fails_hands_over_to_the_torch_path(monkeypatch):
         y = lin(x)
     torch.testing.assert_close(y, F.linear(x, lin.dense_weight(), lin.bias))
     assert kernels.lut_gpu() is None and "PTX version" in kernels._gpu_failure
+
+
+def test_products_kernel_builds_where_the_cpu_has_avx512_bf16():
+    from wscompress.model import cpu_flags
+
+    if (shutil.which("c++") or shutil.which("g++")) and "avx512_bf16" in cpu_flags():
+        assert kernels.products() is not None, kernels.products_status()
+    assert kernels.products_status()
+
+
+@pytest.mark.skipif(kernels.products() is None, reason="no AVX-512 BF16 products here")
+@pytest.mark.parametrize("tokens, dx, dy", [(4096, 576, 1536), (513, 77, 13), (7, 40, 33), (1, 8, 8)])
+def test_bfloat16_products_equal_the_blas_on_any_shape(monkeypatch, tokens, dx, dy):
+    """The kernel's Gram matrix (lower triangle) and cross product equal the BLAS's on the
+    batch cast to float32 to float32 rounding, for odd token counts (a half-empty last pair)
+    and widths that are no multiple of the 32-column blocks or 8-row tiles."""
+    from wscompress import linalg
+
+    gen = torch.Generator().manual_seed(tokens)
+    x, y = (torch.randn(tokens, dx, generator=gen) + 0.5).bfloat16(), torch.randn(tokens, dy, generator=gen).bfloat16()
+    calls = []
+    real = kernels.products()
+    monkeypatch.setattr(kernels, "products", lambda: calls.append(1) or real)
+    fast = linalg.symmetrize(linalg.add_gram(None, x)), linalg.add_product(None, x, y)
+    assert len(calls) == 2  # both ran the kernel
+    monkeypatch.setattr(kernels, "products", lambda: None)
+    blas = linalg.symmetrize(linalg.add_gram(None, x)), linalg.add_product(None, x, y)
+    for a, b, exact in zip(fast, blas, (x.double().T @ x.double(), x.double().T @ y.double())):
+        scale = exact.abs().max().item()
+        torch.testing.assert_close(a, b, rtol=0, atol=4e-6 * scale)
+        torch.testing.assert_close(a, exact, rtol=0, atol=4e-6 * scale)

@@ -14,6 +14,7 @@ import math
 import torch
 from scipy.linalg.blas import dsyrk, ssyrk
 
+from . import kernels
 from .errors import UsageError
 
 
@@ -43,11 +44,15 @@ def product_dtype(x: torch.Tensor) -> torch.dtype:
 
 def add_gram(acc: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
     """``acc`` (d, d) float64, or a new zero one, plus the lower triangle of XᵀX, in place,
-    the batch's product formed in ``product_dtype(x)``: on the CPU by the BLAS's symmetric
-    rank-k update (half the work of the full product), elsewhere by the full product.
-    ``symmetrize`` completes the sum."""
+    the batch's product formed in ``product_dtype(x)``: on the CPU by the compiled bfloat16
+    kernel (``kernels/products.cpp``) or the BLAS's symmetric rank-k update (half the work of
+    the full product), elsewhere by the full product. ``symmetrize`` completes the sum."""
     if acc is None:
         acc = torch.zeros(x.shape[1], x.shape[1], dtype=torch.float64, device=x.device)
+    if (module := _products(x)) is not None:
+        part = torch.zeros_like(acc, dtype=torch.float32)
+        module.add_gram(part, x.detach().contiguous())
+        return acc.add_(part)
     x = x.to(product_dtype(x))
     if x.device.type != "cpu":
         return acc.add_(x.T @ x)
@@ -62,9 +67,19 @@ def add_gram(acc: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
 
 def add_product(acc: torch.Tensor | None, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """``acc`` (float64), or a new one, plus XᵀY, in place, formed in ``product_dtype``."""
-    dtype = product_dtype(x) if product_dtype(y) == product_dtype(x) else torch.float64
-    part = x.to(dtype).T @ y.to(dtype)
+    if (module := _products(x)) is not None and y.dtype == x.dtype and y.device == x.device:
+        part = torch.zeros(x.shape[1], y.shape[1])
+        module.add_product(part, x.detach().contiguous(), y.detach().contiguous())
+    else:
+        dtype = product_dtype(x) if product_dtype(y) == product_dtype(x) else torch.float64
+        part = x.to(dtype).T @ y.to(dtype)
     return part.double() if acc is None else acc.add_(part)
+
+
+def _products(x: torch.Tensor):
+    """The compiled bfloat16 products where they apply (bfloat16 on the CPU, the kernel built
+    with AVX-512 BF16), else None."""
+    return kernels.products() if x.dtype == torch.bfloat16 and x.device.type == "cpu" else None
 
 
 def symmetrize(acc: torch.Tensor, block: int = 1024) -> torch.Tensor:

@@ -1,13 +1,14 @@
-"""Compiled CPU kernels: look-up-table matmul for palettized weights (``lut.cpp``) and a fused
-low-rank matmul for decoding (``lowrank.cpp``); on CUDA, the look-up-table product for
+"""Compiled CPU kernels: look-up-table matmul for palettized weights (``lut.cpp``), a fused
+low-rank matmul for decoding (``lowrank.cpp``) and calibration's bfloat16 Gram matrices and
+cross products with AVX-512 BF16 (``products.cpp``); on CUDA, the look-up-table product for
 decoding in Triton (``lut_triton.py``), used where Triton is installed (CUDA builds of torch
 bring it).
 
 ``make install`` builds them (``python -m wscompress.kernels.build``) with torch's C++ extension
 tools into ``<cache>/kernels/torch-<version>-<where>/<name>``; later processes load the built libraries. Where
 they cannot be built or loaded (no compiler, an unusual platform) or ``WSCOMPRESS_KERNELS=0``,
-``lut()`` / ``lowrank()`` return None, ``status()`` says why, and layers use their pure-torch
-path, which gives the same results. A Triton kernel that fails to compile on a GPU is
+``lut()`` / ``lowrank()`` / ``products()`` return None, ``status()`` says why, and layers use
+their pure-torch path (calibration the BLAS), which gives the same results. A Triton kernel that fails to compile on a GPU is
 reported once and the torch path takes over.
 """
 
@@ -85,6 +86,20 @@ def lut() -> ModuleType | None:
 def lowrank() -> ModuleType | None:
     """The compiled low-rank module, or None when it is not available (see ``status``)."""
     return _load("lowrank")[0]
+
+
+def products() -> ModuleType | None:
+    """The compiled bfloat16 products, or None when they are not available (not built, or
+    built for a CPU without AVX-512 BF16; see ``status``)."""
+    module = _load("products")[0]
+    return module if module is not None and module.available() else None
+
+
+def products_status() -> str:
+    """Which path calibration's bfloat16 products take, in words."""
+    module, why = _load("products")
+    return "the BLAS (products.cpp: " + (why if module is None else "this CPU has no AVX-512 BF16") + ")" \
+        if products() is None else why.replace("AVX-512", "AVX-512 BF16")
 
 
 @cache
