@@ -49,10 +49,9 @@ def add_gram(acc: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
     the full product), elsewhere by the full product. ``symmetrize`` completes the sum."""
     if acc is None:
         acc = torch.zeros(x.shape[1], x.shape[1], dtype=torch.float64, device=x.device)
-    if (module := _products(x)) is not None:
-        part = torch.zeros_like(acc, dtype=torch.float32)
-        module.add_gram(part, x.detach().contiguous())
-        return acc.add_(part)
+    if (module := _products(x)) is not None and acc.is_contiguous():
+        module.add_gram(acc, x.detach().contiguous())
+        return acc
     x = x.to(product_dtype(x))
     if x.device.type != "cpu":
         return acc.add_(x.T @ x)
@@ -67,12 +66,13 @@ def add_gram(acc: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
 
 def add_product(acc: torch.Tensor | None, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """``acc`` (float64), or a new one, plus XᵀY, in place, formed in ``product_dtype``."""
-    if (module := _products(x)) is not None and y.dtype == x.dtype and y.device == x.device:
-        part = torch.zeros(x.shape[1], y.shape[1])
-        module.add_product(part, x.detach().contiguous(), y.detach().contiguous())
-    else:
-        dtype = product_dtype(x) if product_dtype(y) == product_dtype(x) else torch.float64
-        part = x.to(dtype).T @ y.to(dtype)
+    if (module := _products(x)) is not None and y.dtype == x.dtype and y.device == x.device \
+            and (acc is None or acc.is_contiguous()):
+        acc = torch.zeros(x.shape[1], y.shape[1], dtype=torch.float64) if acc is None else acc
+        module.add_product(acc, x.detach().contiguous(), y.detach().contiguous())
+        return acc
+    dtype = product_dtype(x) if product_dtype(y) == product_dtype(x) else torch.float64
+    part = x.to(dtype).T @ y.to(dtype)
     return part.double() if acc is None else acc.add_(part)
 
 

@@ -1,11 +1,12 @@
-// C += Xᵀ·Y of bfloat16 batches into a float32 sum, for calibration's Gram matrices and cross
+// C += Xᵀ·Y of a bfloat16 batch into a float64 sum, for calibration's Gram matrices and cross
 // products (wscompress.linalg.add_gram / add_product).
 //
 // A product of two bfloat16 numbers is exact in float32, so a float32 sum of them is what the
 // BLAS gives on the batch cast to float32; but the BLAS (OpenBLAS's ssyrk, MKL's sgemm) then works
 // at float32 speed, and on AMD CPUs MKL's own bfloat16 product does not use the bfloat16
 // instructions. AVX-512 BF16's VDPBF16PS multiplies 32 bfloat16 pairs and adds them to 16 float32
-// sums in one instruction, twice float32's rate. Rows of X are paired (tokens 2p, 2p+1), columns are
+// sums in one instruction, twice float32's rate. Each tile's float32 sum over the batch is added to
+// the float64 C once, as linalg adds the BLAS's float32 product, without a float32 copy of C. Rows of X are paired (tokens 2p, 2p+1), columns are
 // packed in blocks of 32 so that each tile streams its operands in order, and for a Gram matrix
 // only the tiles that touch the lower triangle are formed (linalg.symmetrize completes the rest).
 // Built without AVX-512 BF16, `available()` is false and linalg uses the BLAS.
@@ -50,7 +51,7 @@ torch::Tensor pack(const torch::Tensor& x) {
 // C[i0 .. i0+MR, j0 .. j0+NB] += the products of pairs p0 .. p1; a: x's packed block holding rows
 // i0.. at offset i0 % NB, b: y's packed block j0 / NB. Runs of KS pairs are summed in registers and
 // then added to a sum in L1, so no float32 sum takes more than KS + (p1 - p0) / KS additions.
-void tile(const int32_t* a, const int32_t* b, int64_t p0, int64_t p1, float* c, int64_t ldc, int64_t rows,
+void tile(const int32_t* a, const int32_t* b, int64_t p0, int64_t p1, double* c, int64_t ldc, int64_t rows,
           int64_t cols) {
   __m512 sum[MR][2];
   for (int r = 0; r < MR; ++r) sum[r][0] = sum[r][1] = _mm512_setzero_ps();
@@ -69,16 +70,17 @@ void tile(const int32_t* a, const int32_t* b, int64_t p0, int64_t p1, float* c, 
       for (int h = 0; h < 2; ++h) sum[r][h] = _mm512_add_ps(sum[r][h], acc[r][h]);
   }
   for (int64_t r = 0; r < rows; ++r)
-    for (int h = 0; h < 2; ++h) {
-      const int64_t left = cols - 16 * h;
+    for (int q = 0; q < 4; ++q) {  // four runs of 8 doubles
+      const int64_t left = cols - 8 * q;
       if (left <= 0) break;
-      const __mmask16 mask = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
-      float* out = c + r * ldc + 16 * h;
-      _mm512_mask_storeu_ps(out, mask, _mm512_add_ps(_mm512_maskz_loadu_ps(mask, out), sum[r][h]));
+      const __mmask8 mask = left >= 8 ? 0xFF : static_cast<__mmask8>((1u << left) - 1);
+      const __m256 half = q % 2 ? _mm512_extractf32x8_ps(sum[r][q / 2], 1) : _mm512_castps512_ps256(sum[r][q / 2]);
+      double* out = c + r * ldc + 8 * q;
+      _mm512_mask_storeu_pd(out, mask, _mm512_add_pd(_mm512_maskz_loadu_pd(mask, out), _mm512_cvtps_pd(half)));
     }
 }
 
-// c (dx, dy) float32 += xᵀ·y; with `lower`, x is y and only tiles reaching the lower triangle are formed.
+// c (dx, dy) float64 += xᵀ·y; with `lower`, x is y and only tiles reaching the lower triangle are formed.
 void add_products(torch::Tensor& c, const torch::Tensor& x, const torch::Tensor& y, bool lower) {
   const int64_t dx = x.size(1), dy = y.size(1);
   const torch::Tensor qx = pack(x), qy = lower ? qx : pack(y);
@@ -87,7 +89,7 @@ void add_products(torch::Tensor& c, const torch::Tensor& x, const torch::Tensor&
   for (int64_t j = 0; j < dy; j += NB)
     for (int64_t i = lower ? j / MR * MR : 0; i < dx; i += MR) tiles.emplace_back(i, j);
   const int32_t *px = qx.data_ptr<int32_t>(), *py = qy.data_ptr<int32_t>();
-  float* pc = c.data_ptr<float>();
+  double* pc = c.data_ptr<double>();
   for (int64_t p0 = 0; p0 < pairs; p0 += KC) {
     const int64_t p1 = std::min(p0 + KC, pairs);
     at::parallel_for(0, static_cast<int64_t>(tiles.size()), 1, [&](int64_t t0, int64_t t1) {
@@ -105,8 +107,8 @@ void check(const torch::Tensor& c, const torch::Tensor& x, const torch::Tensor& 
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && y.scalar_type() == torch::kBFloat16, "x, y: bfloat16");
   TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && x.size(0) == y.size(0), "x (tokens, dx), y (tokens, dy)");
   TORCH_CHECK(x.is_contiguous() && y.is_contiguous() && x.device().is_cpu() && y.device().is_cpu(), "x, y: contiguous, CPU");
-  TORCH_CHECK(c.scalar_type() == torch::kFloat && c.is_contiguous() && c.size(0) == x.size(1) && c.size(1) == y.size(1),
-              "c: contiguous float32 (dx, dy)");
+  TORCH_CHECK(c.scalar_type() == torch::kDouble && c.is_contiguous() && c.size(0) == x.size(1) && c.size(1) == y.size(1),
+              "c: contiguous float64 (dx, dy)");
 #ifndef __AVX512BF16__
   TORCH_CHECK(false, "built without AVX-512 BF16");
 #endif
@@ -140,6 +142,6 @@ void add_product(torch::Tensor c, torch::Tensor x, torch::Tensor y) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("available", &available, "whether this build has the AVX-512 BF16 products");
-  m.def("add_gram", &add_gram, "c += lower triangle of xᵀx (bfloat16 x, float32 c)");
-  m.def("add_product", &add_product, "c += xᵀy (bfloat16 x, y, float32 c)");
+  m.def("add_gram", &add_gram, "c += lower triangle of xᵀx (bfloat16 x, float64 c)");
+  m.def("add_product", &add_product, "c += xᵀy (bfloat16 x, y, float64 c)");
 }
