@@ -254,3 +254,14 @@ def test_bfloat16_refit_solves_with_the_model_s_own_weights():
     c = normals.solve(0.0, {"m": None})["m"]
     xd = x.double()
     torch.testing.assert_close(c, refit_coefficients(w, basis, xd.T @ xd), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(16, 24), (40, 24)])
+def test_a_positive_factor_on_the_gram_leaves_the_factors_unchanged(shape):
+    """Basis Sharing weighs a group's Grams against each other; a one-layer part skips the
+    weighting because the whitened truncation (both routes, wide and tall) does not see it."""
+    gen = torch.Generator().manual_seed(7)
+    x, w = torch.randn(300, shape[1], generator=gen) * torch.linspace(0.1, 5, shape[1]), torch.randn(*shape, generator=gen)
+    g = x.double().T @ x.double()
+    for a, b in zip(low_rank(w, 8, g)[:2], low_rank(w, 8, 1e-3 * g)[:2]):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9 * a.abs().max().item())

@@ -122,11 +122,15 @@ def apply(model: nn.Module, cfg: BasisSharingConfig, ctx) -> dict:
             parts.setdefault(g, []).extend((role, p) for p in ([members] if role in shared else [[n] for n in members]) if p)
     scale = stats.sensitivity if cfg.allocates else None
 
-    def stacked(part: list[str]) -> tuple[list[torch.Tensor], torch.Tensor]:
+    def stacked(part: list[str], weigh: bool = True) -> tuple[list[torch.Tensor], torch.Tensor]:
         """The part's weights and the Gram its basis is whitened with: the layers' Grams each
-        weighted by their sensitivity (fisher) or divided by their output energy (uniform)."""
+        weighted by their sensitivity (fisher) or divided by their output energy (uniform).
+        ``weigh=False`` leaves a one-layer part's Gram as it is: a positive factor on it changes
+        its spectrum (which the allocation compares) but not its basis."""
         ws = [weight_of(get_module(model, n)) for n in part]
         g = [stats.of(n).to(ws[0].device) for n in part]
+        if not weigh and len(part) == 1:
+            return ws, g[0]
         return ws, sum(gi * scale[n] if scale else relative(wi, gi) for n, wi, gi in zip(part, ws, g))
 
     if scale:
@@ -152,7 +156,7 @@ def apply(model: nn.Module, cfg: BasisSharingConfig, ctx) -> dict:
             ranks[label] = wanted[part[0]]
             if wanted[part[0]] is None:  # the allocation keeps these dense
                 continue
-            ws, gram = stacked(part)
+            ws, gram = stacked(part, weigh=False)
             w = torch.cat(ws)  # (n·out, in): one basis for all
             d_out, d_in = ws[0].shape
             coeff, basis, how = low_rank(w, wanted[part[0]], gram)
