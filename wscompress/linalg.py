@@ -177,8 +177,9 @@ def refit_coefficients(w: torch.Tensor, basis: torch.Tensor, gram: torch.Tensor,
     (W·XᵀX'·Bᵀ + λ·C₀)·(B·X'ᵀX'·Bᵀ + λ·I)⁻¹, given ``gram`` = X'ᵀX' and ``cross`` = XᵀX'
     (default X = X'); see ``solve_coefficients`` for λ. Float64."""
     w, basis, gram = w.double(), basis.double(), gram.to(w.device).double()
-    cross = gram if cross is None else cross.to(w.device).double()
-    return solve_coefficients(basis @ gram @ basis.T, w @ cross @ basis.T, ridge, prior)
+    gb = gram @ basis.T  # (in, k): shared by both products, and cheaper first than W·G (out ≥ k)
+    r = w @ (gb if cross is None else cross.to(w.device).double() @ basis.T)
+    return solve_coefficients(basis @ gb, r, ridge, prior)
 
 
 def solve_coefficients(a: torch.Tensor, r: torch.Tensor, ridge: float = 0.0, prior: torch.Tensor | None = None) -> torch.Tensor:
