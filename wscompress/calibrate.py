@@ -30,7 +30,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 from transformers.cache_utils import Cache
 
-from . import linalg, ui
+from . import kernels, linalg, ui
 from .arch import Arch, discover, get_module
 from .data import first_samples
 from .errors import UsageError
@@ -135,14 +135,20 @@ def compute_dtype(setting: str, model: nn.Module) -> torch.dtype:
 @contextmanager
 def computing_in(module: nn.Module, dtype: torch.dtype | None) -> Iterator[None]:
     """The module's floating-point parameters in ``dtype`` inside the block, their own tensors
-    back after (buffers such as rotary frequencies keep their precision). Only for passes that
-    read the weights: a change made inside the block is lost."""
+    back after (buffers such as rotary frequencies keep their precision), and in bfloat16 its
+    LLaMA-style RMSNorms in one pass (``kernels.rms_norm_forward``). Only for passes that read
+    the weights: a change made inside the block is lost."""
     saved = [(p, p.data) for p in module.parameters() if dtype is not None and p.is_floating_point() and p.dtype != dtype]
+    norms = [(m, f) for m in module.modules() if dtype == torch.bfloat16 and (f := kernels.rms_norm_forward(m))]
     try:
         for p, data in saved:
             p.data = data.to(dtype)
+        for m, forward in norms:  # one pass instead of seven (kernels/norms.cpp)
+            m.forward = forward
         yield
     finally:
+        for m, _ in norms:
+            del m.forward
         for p, data in saved:
             p.data = data
 

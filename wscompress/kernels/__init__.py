@@ -1,14 +1,16 @@
 """Compiled CPU kernels: look-up-table matmul for palettized weights (``lut.cpp``), a fused
-low-rank matmul for decoding (``lowrank.cpp``) and calibration's bfloat16 Gram matrices and
-cross products with AVX-512 BF16 (``products.cpp``); on CUDA, the look-up-table product for
+low-rank matmul for decoding (``lowrank.cpp``), and for calibration's bfloat16 passes with
+AVX-512 BF16 the Gram matrices and cross products (``products.cpp``) and a one-pass RMSNorm
+(``norms.cpp``); on CUDA, the look-up-table product for
 decoding in Triton (``lut_triton.py``), used where Triton is installed (CUDA builds of torch
 bring it).
 
 ``make install`` builds them (``python -m wscompress.kernels.build``) with torch's C++ extension
 tools into ``<cache>/kernels/torch-<version>-<where>/<name>``; later processes load the built libraries. Where
 they cannot be built or loaded (no compiler, an unusual platform) or ``WSCOMPRESS_KERNELS=0``,
-``lut()`` / ``lowrank()`` / ``products()`` return None, ``status()`` says why, and layers use
-their pure-torch path (calibration the BLAS), which gives the same results. A Triton kernel that fails to compile on a GPU is
+the loaders (``lut()``, ``lowrank()``, ...) return None, ``status()`` says why, and layers use
+their pure-torch path (calibration the BLAS and the models' own norms), which gives the same
+results. A Triton kernel that fails to compile on a GPU is
 reported once and the torch path takes over.
 """
 
@@ -20,9 +22,11 @@ import warnings
 from functools import cache
 from pathlib import Path
 from types import ModuleType
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 HERE = Path(__file__).parent
 DECODE_ROWS = 8  # inputs with at most this many rows (decoding) use the kernels; longer ones the BLAS
@@ -95,11 +99,54 @@ def products() -> ModuleType | None:
     return module if module is not None and module.available() else None
 
 
-def products_status() -> str:
-    """Which path calibration's bfloat16 products take, in words."""
-    module, why = _load("products")
-    return "the BLAS (products.cpp: " + (why if module is None else "this CPU has no AVX-512 BF16") + ")" \
-        if products() is None else why.replace("AVX-512", "AVX-512 BF16")
+def norms() -> ModuleType | None:
+    """The compiled bfloat16 RMSNorm, or None when it is not available (as ``products``)."""
+    module = _load("norms")[0]
+    return module if module is not None and module.available() else None
+
+
+def calibration_status() -> str:
+    """Which paths calibration's bfloat16 passes take, in words."""
+    parts = []
+    for source, fallback in (("products", "the BLAS"), ("norms", "the models' own norms")):
+        module, why = _load(source)
+        if module is None or not module.available():
+            parts.append(f"{fallback} ({source}.cpp: {why if module is None else 'this CPU has no AVX-512 BF16'})")
+        else:
+            parts.append(f"{source}.cpp (AVX-512 BF16)")
+    return ", ".join(parts)
+
+
+_norm_verdicts: dict[type, bool] = {}  # RMSNorm class -> whether norms.cpp reproduces its forward
+
+
+def rms_norm_forward(module: nn.Module) -> Callable | None:
+    """A one-pass forward for ``module`` if it looks like a LLaMA-style RMSNorm (a class named
+    ``*RMSNorm`` with a 1-D weight and ``variance_epsilon`` or ``eps``), else None. It runs the
+    kernel on bfloat16 CPU inputs without gradients and the module's own forward otherwise.
+    The first call for each class runs both and keeps to the class's own forward for good if
+    they differ by more than bfloat16 rounding (Gemma's ``1 + weight``, a norm in float32)."""
+    eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+    weight = getattr(module, "weight", None)
+    if (not type(module).__name__.endswith("RMSNorm") or not isinstance(eps, float) or not isinstance(weight, torch.Tensor)
+            or weight.dim() != 1 or "forward" in module.__dict__ or norms() is None):  # a forward set on it: a hook's
+        return None
+    own, kind = module.forward, type(module)
+
+    def forward(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        w = module.weight
+        if (args or kwargs or _norm_verdicts.get(kind) is False or x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16
+                or x.device.type != "cpu" or x.shape[-1] != w.numel()
+                or torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
+            return own(x, *args, **kwargs)
+        y = norms().rms_norm(x.contiguous(), w.contiguous(), eps)
+        if kind not in _norm_verdicts:
+            reference = own(x)
+            _norm_verdicts[kind] = reference.dtype == y.dtype and torch.allclose(y.float(), reference.float(), rtol=2**-6, atol=0)
+            return reference
+        return y
+
+    return forward
 
 
 @cache
