@@ -92,29 +92,31 @@ def lowrank() -> ModuleType | None:
     return _load("lowrank")[0]
 
 
+def _bf16(source: str) -> tuple[ModuleType | None, str]:
+    """A kernel that needs AVX-512 BF16, loaded (and built) only on a CPU that has it."""
+    from ..model import cpu_flags
+
+    return _load(source) if "avx512_bf16" in cpu_flags() else (None, "this CPU has no AVX-512 BF16")
+
+
 def products() -> ModuleType | None:
-    """The compiled bfloat16 products, or None when they are not available (not built, or
-    built for a CPU without AVX-512 BF16; see ``status``)."""
-    module = _load("products")[0]
-    return module if module is not None and module.available() else None
+    """The compiled bfloat16 products, or None where they are not available (see
+    ``calibration_status``)."""
+    return _bf16("products")[0]
 
 
 def norms() -> ModuleType | None:
-    """The compiled bfloat16 RMSNorm, or None when it is not available (as ``products``)."""
-    module = _load("norms")[0]
-    return module if module is not None and module.available() else None
+    """The compiled bfloat16 RMSNorm, or None where it is not available."""
+    return _bf16("norms")[0]
 
 
 def calibration_status() -> str:
     """Which paths calibration's bfloat16 passes take, in words."""
-    parts = []
+    paths = []
     for source, fallback in (("products", "the BLAS"), ("norms", "the models' own norms")):
-        module, why = _load(source)
-        if module is None or not module.available():
-            parts.append(f"{fallback} ({source}.cpp: {why if module is None else 'this CPU has no AVX-512 BF16'})")
-        else:
-            parts.append(f"{source}.cpp (AVX-512 BF16)")
-    return ", ".join(parts)
+        module, why = _bf16(source)
+        paths.append(f"{fallback} ({source}.cpp: {why})" if module is None else why.replace("AVX-512", "AVX-512 BF16"))
+    return ", ".join(paths)
 
 
 _norm_verdicts: dict[type, bool] = {}  # RMSNorm class -> whether norms.cpp reproduces its forward

@@ -9,10 +9,14 @@
 // the float64 C once, as linalg adds the BLAS's float32 product, without a float32 copy of C. Rows of X are paired (tokens 2p, 2p+1), columns are
 // packed in blocks of 32 so that each tile streams its operands in order, and for a Gram matrix
 // only the tiles that touch the lower triangle are formed (linalg.symmetrize completes the rest).
-// Built without AVX-512 BF16, `available()` is false and linalg uses the BLAS.
+// Loaded only on CPUs with AVX-512 BF16; elsewhere linalg uses the BLAS.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+
+#ifndef __AVX512BF16__
+#error "products.cpp needs AVX-512 BF16 (-march=native on a CPU that has it)"
+#endif
 
 #include <vector>
 
@@ -23,7 +27,6 @@ constexpr int64_t MR = 8;      // rows of C per tile: 8 x 2 accumulators + 2 ope
 constexpr int64_t KS = 256;   // token pairs summed in registers before joining the tile's float32 sum (rounding as ssyrk's)
 constexpr int64_t KC = 2048;  // token pairs per pass over C: a 32-column block's panel (256 KiB) stays in L2
 
-#ifdef __AVX512BF16__
 // q (blocks, pairs, NB) int32: q[b][p][c] = bf16 x[2p][32b + c] in the low half, x[2p + 1][...] in
 // the high half, zeros past the last row or column.
 torch::Tensor pack(const torch::Tensor& x) {
@@ -101,7 +104,6 @@ void add_products(torch::Tensor& c, const torch::Tensor& x, const torch::Tensor&
     });
   }
 }
-#endif
 
 void check(const torch::Tensor& c, const torch::Tensor& x, const torch::Tensor& y) {
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && y.scalar_type() == torch::kBFloat16, "x, y: bfloat16");
@@ -109,39 +111,23 @@ void check(const torch::Tensor& c, const torch::Tensor& x, const torch::Tensor& 
   TORCH_CHECK(x.is_contiguous() && y.is_contiguous() && x.device().is_cpu() && y.device().is_cpu(), "x, y: contiguous, CPU");
   TORCH_CHECK(c.scalar_type() == torch::kDouble && c.is_contiguous() && c.size(0) == x.size(1) && c.size(1) == y.size(1),
               "c: contiguous float64 (dx, dy)");
-#ifndef __AVX512BF16__
-  TORCH_CHECK(false, "built without AVX-512 BF16");
-#endif
 }
 
 }  // namespace
 
-bool available() {
-#ifdef __AVX512BF16__
-  return true;
-#else
-  return false;
-#endif
-}
-
 // c += the lower triangle of xᵀx (tiles crossing the diagonal are formed whole; entries wholly above it untouched).
 void add_gram(torch::Tensor c, torch::Tensor x) {
   check(c, x, x);
-#ifdef __AVX512BF16__
   add_products(c, x, x, true);
-#endif
 }
 
 // c += xᵀy.
 void add_product(torch::Tensor c, torch::Tensor x, torch::Tensor y) {
   check(c, x, y);
-#ifdef __AVX512BF16__
   add_products(c, x, y, false);
-#endif
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("available", &available, "whether this build has the AVX-512 BF16 products");
   m.def("add_gram", &add_gram, "c += lower triangle of xᵀx (bfloat16 x, float64 c)");
   m.def("add_product", &add_product, "c += xᵀy (bfloat16 x, y, float64 c)");
 }
