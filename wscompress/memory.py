@@ -67,7 +67,8 @@ def tensors_on_huge_pages() -> None:
 
 
 def idle_blas_threads() -> None:
-    """Have OpenBLAS's threads (scipy's, which forms the Gram matrices) sleep as soon as a call
+    """Have OpenBLAS's threads (scipy's, which forms the Gram matrices where
+    ``kernels/products.cpp`` does not apply) sleep as soon as a call
     ends instead of spinning for 2^28 cycles (~0.1 s) first: between two Gram updates torch runs
     the next layer on the same cores, and the spinning threads halved its speed (SmolLM2's
     up and down projections between Gram updates: 73.8 ms, 36.6 ms with this;
