@@ -338,7 +338,7 @@ def output_sensitivity(model: nn.Module, names: list[str], batches: list[torch.T
 
     def observe(module, _args, out):
         def square(g: torch.Tensor) -> None:
-            sums[id(module)].add_(g.detach().double().pow(2).sum().cpu() / g.shape[-1])
+            sums[id(module)].add_(torch.linalg.vector_norm(g.detach(), dtype=torch.float64).cpu() ** 2 / g.shape[-1])
 
         if out.requires_grad:  # only in the backward sweep's recomputation
             out.register_hook(square)
