@@ -104,7 +104,7 @@ def test_another_checkout_reuses_the_built_kernels(tmp_path):
 
     from wscompress.model import cache_dir
 
-    libraries = sorted((cache_dir() / "kernels" / kernels._torch_install()).rglob("*.so"))
+    libraries = sorted((cache_dir() / "kernels" / kernels._build_folder()).rglob("*.so"))
     built = [p.stat().st_mtime_ns for p in libraries]
     shutil.copytree(Path(wscompress.__file__).parent, tmp_path / "wscompress",
                     ignore=shutil.ignore_patterns("__pycache__"))
@@ -113,6 +113,21 @@ def test_another_checkout_reuses_the_built_kernels(tmp_path):
     for where in (tmp_path, Path(wscompress.__file__).parent.parent):
         assert subprocess.run([sys.executable, "-c", code, str(where)], cwd=where).returncode == 0
     assert len(libraries) >= 2 and [p.stat().st_mtime_ns for p in libraries] == built
+
+
+def test_each_cpu_builds_its_own_kernels(monkeypatch):
+    """The libraries are compiled for the CPU at hand (-march=native): a CPU with other flags
+    (another node sharing the home folder) gets its own build folder, never one whose
+    instructions it lacks; the same CPU always finds the same folder (clock readings aside)."""
+    from wscompress import model
+
+    here = kernels._build_folder()
+    model.cpu_flags.cache_clear()  # read the file again: the same folder
+    assert here == kernels._build_folder() and not {"MHz", "processor", ":"} & model.cpu_flags()
+    monkeypatch.setattr(model, "cpu_flags", lambda: frozenset({"fpu", "sse2", "avx2"}))
+    plain = kernels._build_folder()
+    monkeypatch.setattr(model, "cpu_flags", lambda: frozenset({"fpu", "sse2", "avx2", "avx512f", "avx512_bf16"}))
+    assert len({here, plain, kernels._build_folder()}) == 3
 
 
 @pytest.mark.skipif(kernels.lowrank() is None, reason="kernels not built here")

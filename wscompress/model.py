@@ -76,12 +76,19 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags (from /proc/cpuinfo; none where there is no such file)."""
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (the ``flags`` line of /proc/cpuinfo, ``Features`` on ARM; none
+    where there is no such file). Nothing else of the file: its clock readings change."""
     try:
-        return set(Path("/proc/cpuinfo").read_text().split())
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        return set()
+        return frozenset()
+    for line in lines:
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return frozenset()
 
 
 @functools.cache

@@ -6,7 +6,7 @@ decoding in Triton (``lut_triton.py``), used where Triton is installed (CUDA bui
 bring it).
 
 ``make install`` builds them (``python -m wscompress.kernels.build``) with torch's C++ extension
-tools into ``<cache>/kernels/torch-<version>-<where>/<name>``; later processes load the built libraries. Where
+tools into ``<cache>/kernels/torch-<version>-<where>-<cpu>/<name>``; later processes load the built libraries. Where
 they cannot be built or loaded (no compiler, an unusual platform) or ``WSCOMPRESS_KERNELS=0``,
 the loaders (``lut()``, ``lowrank()``, ...) return None, ``status()`` says why, and layers use
 their pure-torch path (calibration the BLAS and the models' own norms), which gives the same
@@ -42,7 +42,7 @@ def _load(source: str) -> tuple[ModuleType | None, str]:
         return None, "disabled by WSCOMPRESS_KERNELS=0"
     from ..model import cache_dir, cpu_flags
 
-    build = cache_dir() / "kernels" / _torch_install() / source
+    build = cache_dir() / "kernels" / _build_folder() / source
     build.mkdir(parents=True, exist_ok=True)
     try:
         from torch.utils.cpp_extension import load
@@ -55,13 +55,18 @@ def _load(source: str) -> tuple[ModuleType | None, str]:
     return module, f"{source}.cpp ({'AVX-512' if 'avx512f' in flags else 'AVX2' if 'avx2' in flags else 'scalar'})"
 
 
-def _torch_install() -> str:
-    """A folder name for this torch installation: its version and where it lives. The compile
-    command names torch's headers by path, so two environments (a CI clone's virtual
-    environment beside a working copy's) sharing one build folder rebuilt each other's
-    library, ~27 s, whenever they took turns."""
+def _build_folder() -> str:
+    """A folder name for this torch installation on this CPU: torch's version, where it lives
+    and the CPU's instruction set. The compile command names torch's headers by path, so two
+    environments (a CI clone's virtual environment beside a working copy's) sharing one build
+    folder rebuilt each other's library, ~27 s, whenever they took turns; and the libraries are
+    built for the CPU at hand (``-march=native``), so one built on an AVX-512 machine would
+    crash with an illegal instruction on another sharing the cache (a cluster's home folder)."""
+    from ..model import cpu_flags
+
     where = hashlib.sha1(str(Path(torch.__file__).resolve().parent).encode()).hexdigest()[:10]
-    return f"torch-{torch.__version__}-{where}"
+    cpu = hashlib.sha1(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:8]
+    return f"torch-{torch.__version__}-{where}-{cpu}"
 
 
 def _staged(src: Path, build: Path) -> Path:
