@@ -184,26 +184,39 @@ def status() -> str:
 
 
 def palettized_linear(x: torch.Tensor, indices: torch.Tensor, width: int, tables: torch.Tensor, group_size: int,
-                      out_features: int) -> torch.Tensor | None:
+                      out_features: int, outliers: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
     """x @ Wᵀ (no bias) for a palettized W whose row r reads ``tables[r // group_size]`` at its
-    indices (``width`` 4: two per byte, low nibble first; 8: one per byte), or None where the
-    kernel does not apply (gradients needed, kernels unavailable, on CPU not float32, on CUDA
-    more than DECODE_ROWS rows: prefill is compute-bound, and cuBLAS on the weight decoded by
-    torch wins there)."""
+    indices (``width`` 4: two per byte, low nibble first; 8: one per byte) and whose weights at
+    the flat positions ``outliers[0]`` differ from their codebook value by ``outliers[1]``, or
+    None where the kernel does not apply (gradients needed, kernels unavailable, on CPU not
+    float32, on CUDA more than DECODE_ROWS rows: prefill is compute-bound, and cuBLAS on the
+    weight decoded by torch wins there)."""
     if torch.is_grad_enabled() and (x.requires_grad or tables.requires_grad):
         return None
-    if x.device.type == "cuda":
-        return _gpu_linear(x, indices, width, tables, group_size, out_features)
-    module = lut()
-    if module is None or x.device.type != "cpu" or x.dtype != torch.float32:
-        return None
-    flat = x.reshape(-1, x.shape[-1]).contiguous()
-    tables = tables.detach().float().contiguous()
-    if flat.shape[0] <= DECODE_ROWS:
-        y = module.lut_linear(flat, indices, tables, width, group_size, out_features)
-    else:  # prefill: decode this layer's dense weight once (transient) and let the BLAS multiply
-        y = F.linear(flat, module.lut_dense(indices, tables, width, group_size, out_features, flat.shape[1]))
-    return y.view(*x.shape[:-1], out_features)
+    if _triton_path(x):
+        y = _gpu_linear(x, indices, width, tables, group_size, out_features)
+    else:
+        module = lut()
+        if module is None or x.device.type != "cpu" or x.dtype != torch.float32:
+            return None
+        flat = x.reshape(-1, x.shape[-1]).contiguous()
+        tables = tables.detach().float().contiguous()
+        if flat.shape[0] > DECODE_ROWS:  # prefill: decode this layer's dense weight once (transient), the BLAS multiplies
+            w = module.lut_dense(indices, tables, width, group_size, out_features, flat.shape[1])
+            if outliers is not None:  # into the weight: cheaper than a correction of every row of the output
+                w.view(-1).index_add_(0, outliers[0], outliers[1].to(w.dtype))
+            return F.linear(flat, w).view(*x.shape[:-1], out_features)
+        y = module.lut_linear(flat, indices, tables, width, group_size, out_features).view(*x.shape[:-1], out_features)
+    if y is not None and outliers is not None:  # decoding: add each kept-aside weight's share to its output
+        pos, delta = outliers
+        y.index_add_(-1, pos // x.shape[-1], x[..., pos % x.shape[-1]] * delta.to(x.dtype))
+    return y
+
+
+def _triton_path(x: torch.Tensor) -> bool:
+    """Whether ``x`` goes to the Triton kernel: CUDA tensors (tests send CPU tensors through
+    Triton's interpreter)."""
+    return x.device.type == "cuda"
 
 
 def _gpu_linear(x: torch.Tensor, indices: torch.Tensor, width: int, tables: torch.Tensor, group_size: int,

@@ -233,13 +233,11 @@ class PalettizedLinear(CompressedLinear):
         tables = self.codebook[..., 0]
         if width == 4 and tables.shape[1] < 16:
             tables = F.pad(tables, (0, 16 - tables.shape[1]))
-        y = kernels.palettized_linear(x, indices, width, tables, self.group_size, self.out_features)
-        if y is not None and self.outliers:  # the exact weights kept aside: add their difference to the codebook value
+        outliers = None
+        if self.outliers:  # the exact weights kept aside: their difference to the codebook value
             pos = self.outlier_index.long()
-            rows, cols = pos // self.in_features, pos % self.in_features
-            delta = self.outlier_value - self.codebook[rows // self.group_size, at, 0]
-            y.index_add_(-1, rows, x[..., cols] * delta)
-        return y
+            outliers = pos, self.outlier_value - self.codebook[pos // self.in_features // self.group_size, at, 0]
+        return kernels.palettized_linear(x, indices, width, tables, self.group_size, self.out_features, outliers)
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         """Fine-tuning a palettized layer trains its centroids (Deep Compression)."""
