@@ -39,7 +39,7 @@ from wscompress.workflow import apply_stages
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "protocol.yaml"
 UNIFORM = {"allocation": "uniform"}
-FAST = {"sensitivity": "none", "error_feedback": False, "outliers": 0, "codebook_dtype": "float32"}
+FAST = {"sensitivity": "none", "error_feedback": False, "refit": False, "outliers": 0, "codebook_dtype": "float32"}
 LOW_RANK = {  # label -> stage; the ratio is filled in per column
     "SVD-LLM (svd, uniform)": {"method": "svd", "refit": False, **UNIFORM},
     "svd fisher, refit: false": {"method": "svd", "refit": False},

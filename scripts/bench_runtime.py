@@ -28,7 +28,8 @@ from wscompress.workflow import apply_stages
 from wscompress.recipe import load_recipe
 
 REPO = Path(__file__).resolve().parents[1]
-PLAIN = {"method": "kmeans", "sensitivity": "none", "error_feedback": False, "outliers": 0, "codebook_dtype": "float32"}
+PLAIN = {"method": "kmeans", "sensitivity": "none", "error_feedback": False, "refit": False, "outliers": 0,
+         "codebook_dtype": "float32"}
 MODELS = {  # label -> compress stages (empty: the dense model)
     "dense fp32": [],
     "kmeans 4-bit per channel": [{**PLAIN, "bits": 4}],

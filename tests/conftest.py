@@ -130,3 +130,35 @@ def assert_roundtrip(model, tokenizer, path):
     uncached = reloaded.generate(prompt, max_new_tokens=6, do_sample=False, use_cache=False)
     assert torch.equal(cached, uncached)
     return reloaded
+
+
+def final_inputs(model, names, batches) -> dict[str, torch.Tensor]:
+    """Each named module's inputs (tokens, in) when the finished model runs the batches."""
+    seen: dict[str, list[torch.Tensor]] = {}
+    hooks = [model.get_submodule(n).register_forward_hook(
+             lambda _m, a, _o, n=n: seen.setdefault(n, []).append(a[0].reshape(-1, a[0].shape[-1]).double()))
+             for n in names]
+    with torch.no_grad():
+        for batch in batches:
+            model(input_ids=batch)
+    for h in hooks:
+        h.remove()
+    return {n: torch.cat(x) for n, x in seen.items()}
+
+
+def layer_reference_inputs(model, base, names, batches) -> dict[str, torch.Tensor]:
+    """Each named module's inputs in the original layer fed what the finished model's layer receives."""
+    from wscompress.arch import discover
+
+    hooks = [compressed.register_forward_pre_hook(lambda _m, a, k, o=original: (o(*a, **k), None)[1], with_kwargs=True)
+             for compressed, original in zip(discover(model).layers, discover(base).layers)]
+    seen: dict[str, list[torch.Tensor]] = {}
+    hooks += [base.get_submodule(n).register_forward_hook(
+              lambda _m, a, _o, n=n: seen.setdefault(n, []).append(a[0].reshape(-1, a[0].shape[-1]).double()))
+              for n in names]
+    with torch.no_grad():
+        for batch in batches:
+            model(input_ids=batch, use_cache=False)  # a cache would take both layers' keys
+    for h in hooks:
+        h.remove()
+    return {n: torch.cat(x) for n, x in seen.items()}

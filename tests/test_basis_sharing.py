@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 
 import wscompress
-from conftest import WIKI_TEST, WIKI_TRAIN, tiny_model
+from conftest import WIKI_TEST, WIKI_TRAIN, final_inputs, layer_reference_inputs, tiny_model
 from wscompress import data, storage
 from wscompress.arch import discover
 from wscompress.errors import UsageError
@@ -166,36 +166,6 @@ def test_group_basis_does_not_favour_layers_with_larger_activations():
     assert layer0_error(raw) > 1.1 * layer0_error(basis)
 
 
-def _final_inputs(model, names, batches) -> dict[str, torch.Tensor]:
-    """Each named module's inputs (tokens, in) when the finished model runs the batches."""
-    seen: dict[str, list[torch.Tensor]] = {}
-    hooks = [model.get_submodule(n).register_forward_hook(
-             lambda _m, a, _o, n=n: seen.setdefault(n, []).append(a[0].reshape(-1, a[0].shape[-1]).double()))
-             for n in names]
-    with torch.no_grad():
-        for batch in batches:
-            model(input_ids=batch)
-    for h in hooks:
-        h.remove()
-    return {n: torch.cat(x) for n, x in seen.items()}
-
-
-def _layer_reference_inputs(model, base, names, batches) -> dict[str, torch.Tensor]:
-    """Each named module's inputs in the original layer fed what the finished model's layer receives."""
-    hooks = [compressed.register_forward_pre_hook(lambda _m, a, k, o=original: (o(*a, **k), None)[1], with_kwargs=True)
-             for compressed, original in zip(discover(model).layers, discover(base).layers)]
-    seen: dict[str, list[torch.Tensor]] = {}
-    hooks += [base.get_submodule(n).register_forward_hook(
-              lambda _m, a, _o, n=n: seen.setdefault(n, []).append(a[0].reshape(-1, a[0].shape[-1]).double()))
-              for n in names]
-    with torch.no_grad():
-        for batch in batches:
-            model(input_ids=batch, use_cache=False)  # a cache would take both layers' keys
-    for h in hooks:
-        h.remove()
-    return {n: torch.cat(x) for n, x in seen.items()}
-
-
 @pytest.mark.parametrize("target,ridge,samples", [("function", 0.0, None), ("function", 0.1, None), ("layer", 0.0, None),
                                                    ("model", 0.0, None), ("layer", 0.0, 4)])
 def test_refit_is_the_least_squares_update_on_the_inputs_each_module_finally_receives(tokenizer, target, ridge, samples):
@@ -213,9 +183,9 @@ def test_refit_is_the_least_squares_update_on_the_inputs_each_module_finally_rec
     compress(plain, tokenizer, group_size=2, ratio=0.5)
     compress(model, tokenizer, group_size=2, ratio=0.5, refit=True, ridge=ridge, refit_target=target, refit_samples=samples)
     names = [n for n, m in model.named_modules() if isinstance(m, LowRankLinear)]
-    xs = _final_inputs(model, names, batches)
-    refs = {"function": xs, "model": _final_inputs(base, names, batches),
-            "layer": _layer_reference_inputs(model, base, names, batches) if target == "layer" else None}[target]
+    xs = final_inputs(model, names, batches)
+    refs = {"function": xs, "model": final_inputs(base, names, batches),
+            "layer": layer_reference_inputs(model, base, names, batches) if target == "layer" else None}[target]
     if target != "function":
         assert any(not torch.allclose(refs[n], xs[n]) for n in names)  # the targets differ from the official update's
     for n in names:

@@ -102,7 +102,7 @@ def test_dkm_training_beats_post_training_kmeans(tokenizer, tmp_path):
     model, _ = finetune(tiny_model("llama"), tokenizer, _recipe("full", 120, 3e-3))  # a real (tiny) LM first
     ptq = copy.deepcopy(model)
     (ptq_report,) = wscompress.compress(ptq, [{"method": "kmeans", "bits": 2, "sensitivity": "none", "error_feedback": False,
-                                               "outliers": 0}])
+                                               "refit": False, "outliers": 0}])
     dkm, report = finetune(copy.deepcopy(model), tokenizer, _recipe("dkm", 40, 1e-3, dkm={"bits": 2}))
     layers = [m for m in dkm.modules() if isinstance(m, PalettizedLinear)]
     assert len(layers) == ptq_report["layers"] and all(m.bits == 2 for m in layers)

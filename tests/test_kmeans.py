@@ -8,7 +8,7 @@ import struct
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, tiny_model
+from conftest import REPO, WIKI_TEST, WIKI_TRAIN, final_inputs, layer_reference_inputs, tiny_model
 from safetensors import safe_open
 
 import wscompress
@@ -21,7 +21,7 @@ from wscompress.recipe import load_recipe
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 # the data-free path: plain k-means, nearest centroids, nothing aside, fp32 codebooks
-FAST = {"sensitivity": "none", "error_feedback": False, "outliers": 0, "codebook_dtype": "float32"}
+FAST = {"sensitivity": "none", "error_feedback": False, "refit": False, "outliers": 0, "codebook_dtype": "float32"}
 CALIB = {"dataset": "pydoc", "num_samples": 8, "seq_len": 64, "batch_size": 4}
 
 
@@ -350,3 +350,66 @@ def test_basis_sharing_then_kmeans_saves_both_savings(tokenizer, tmp_path):
     storage.export_dense(loaded, tokenizer, tmp_path / "dense")
     stock = AutoModelForCausalLM.from_pretrained(tmp_path / "dense").eval()
     assert torch.allclose(_outputs(stock, x), out, atol=1e-5)
+
+
+@pytest.mark.parametrize("target", ["layer", "function"])
+def test_refit_palettizes_each_module_on_the_inputs_it_finally_receives(tokenizer, target):
+    """refit goes module by module in forward order: each module is palettized, with the Gram
+    matrix G of the inputs X' the finished model feeds it as its statistics, for the weight that
+    best reproduces its target on them: the original module on what it reads in the original
+    layer fed the same layer input (layer) or on X' itself (function, which leaves W as it is)."""
+    from wscompress import data, linalg
+    from wscompress.methods.kmeans import KMeansConfig, palettize
+
+    base, model = tiny_model("llama"), tiny_model("llama")
+    stage = {"method": "kmeans", "bits": 3, "refit_target": target}
+    wscompress.compress(model, [stage], tokenizer, CALIB)
+    names = [n for n, m in model.named_modules() if isinstance(m, PalettizedLinear)]
+    assert len(names) == 4 * 7
+    batches = data.calibration_batches(tokenizer, CALIB["dataset"], CALIB["num_samples"], CALIB["seq_len"],
+                                       CALIB["batch_size"], seed=0)
+    xs = final_inputs(model, names, batches)
+    refs = layer_reference_inputs(model, base, names, batches) if target == "layer" else xs
+    assert (target == "layer") == any(not torch.allclose(refs[n], xs[n]) for n in names)  # o, gate/up, down: X ≠ X'
+    cfg = KMeansConfig(**stage)
+    for n in names:
+        original, x, ref = base.get_submodule(n), xs[n], refs[n]
+        w = original.weight.detach()
+        best = linalg.solve_coefficients(x.T @ x, w.double() @ (ref.T @ x), cfg.ridge, w).float()
+        want = palettize(original, cfg, x.T @ x, best)
+        got = model.get_submodule(n)
+        assert (got.index_matrix() == want.index_matrix()).float().mean() > 0.99, n
+        torch.testing.assert_close(got.codebook, want.codebook, rtol=1e-3, atol=1e-4, msg=n)
+
+
+@pytest.mark.slow
+def test_refit_brings_real_layers_closer_to_the_original(smollm2):
+    """On real weights (SmolLM2's first 4 layers, 3 bits), palettizing each module on the
+    compressed model's own inputs for the original layer's output (the default) brings the last
+    hidden states closer to the original's than palettizing on the original model's statistics,
+    on the calibration text and on held-out text."""
+    import copy
+
+    from wscompress import data
+    from wscompress.methods.merge_drop import drop_layers
+
+    model, tok = smollm2
+    calibration = {"dataset": WIKI_TRAIN, "num_samples": 32, "seq_len": 256, "seed": 0}
+    batches = data.calibration_batches(tok, WIKI_TRAIN, 8, 256, 4, seed=0)
+    held_out = data.tokenize(tok, WIKI_TEST, max_tokens=4 * 256)[: 4 * 256].view(4, 256)
+    original = copy.deepcopy(model)
+    drop_layers(original, list(range(4)))  # keep the first 4
+
+    def error(m, texts) -> float:
+        with torch.no_grad():
+            last = lambda x: m.model(input_ids=x).last_hidden_state  # noqa: E731
+            return sum(((last(x) - last_original(x)).norm() / last_original(x).norm()).item() for x in texts) / len(texts)
+
+    last_original = lambda x: original.model(input_ids=x).last_hidden_state  # noqa: E731
+    errors = {}
+    for refit in (False, True):
+        short = copy.deepcopy(original)
+        wscompress.compress(short, [{"method": "kmeans", "bits": 3, "refit": refit}], tok, calibration)
+        errors[refit] = error(short, batches), error(short, held_out.split(2))
+    for text in (0, 1):
+        assert errors[True][text] < errors[False][text]

@@ -229,16 +229,21 @@ def test_refit_normal_equations_agree_by_either_route(through_outputs):
     from wscompress.compensate import _Normals
 
     torch.manual_seed(0)
-    x, w, basis = torch.randn(300, 40), torch.randn(12, 40), torch.randn(5, 40)
+    x, w, module = torch.randn(300, 40), torch.randn(12, 40), LowRankLinear(40, 12, 5)
     x_ref = x + 0.3 * torch.randn(300, 40)  # what the original layer feeds the module
-    normals = _Normals({"m": w}, {"m": basis}, same=False, dtype=torch.float32)
+    normals = _Normals({"m": module}, {"m": w}, same=False, dtype=torch.float32, ridge=0.0)
     assert normals.through_outputs  # 40·(5 + 12) + 5·(12 + 2.5) < 1.5·40²: the outputs are cheaper here
     normals.through_outputs = through_outputs
     for rows in (slice(0, 100), slice(100, 300)):  # two batches
         normals.add(x[rows], x_ref[rows])
-    c = normals.solve(0.0, {"m": None})["m"]
+    before = module.coeff.weight.detach().clone()
+    with torch.no_grad():  # as in the pass
+        replaced, changes = normals.finish()
+    basis = module.basis.weight.detach()
     best = torch.linalg.lstsq((x @ basis.T).double(), (x_ref @ w.T).double()).solution.T
-    torch.testing.assert_close(c, best, atol=1e-6, rtol=1e-6)
+    assert not replaced  # the module stays; its coefficients change in place
+    torch.testing.assert_close(module.coeff.weight.double(), best, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(changes["m"], module.coeff.weight - before)
 
 
 def test_bfloat16_refit_solves_with_the_model_s_own_weights():
@@ -247,13 +252,16 @@ def test_bfloat16_refit_solves_with_the_model_s_own_weights():
     from wscompress.compensate import _Normals
 
     torch.manual_seed(0)
-    x, w, basis = torch.randn(400, 64).bfloat16(), torch.randn(48, 64), torch.randn(40, 64)
-    normals = _Normals({"m": w}, {"m": basis}, same=True, dtype=torch.bfloat16)
+    x, w, module = torch.randn(400, 64).bfloat16(), torch.randn(48, 64), LowRankLinear(64, 48, 40)
+    normals = _Normals({"m": module}, {"m": w}, same=True, dtype=torch.bfloat16, ridge=0.0)
     assert not normals.through_outputs
     normals.add(x, None)
-    c = normals.solve(0.0, {"m": None})["m"]
+    prior = module.coeff.weight.detach().clone()
+    with torch.no_grad():
+        normals.finish()
     xd = x.double()
-    torch.testing.assert_close(c, refit_coefficients(w, basis, xd.T @ xd), rtol=1e-5, atol=1e-5)
+    want = refit_coefficients(w, module.basis.weight, xd.T @ xd, prior=prior)  # the solve's tiny floor pulls toward it
+    torch.testing.assert_close(module.coeff.weight.double(), want.float().double(), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("shape", [(16, 24), (40, 24)])

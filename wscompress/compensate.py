@@ -37,7 +37,7 @@ held at a time.
 from __future__ import annotations
 
 from contextlib import ExitStack, contextmanager
-from typing import Callable, Collection, Iterable, Iterator, Literal
+from typing import Callable, Collection, Iterable, Iterator, Literal, Protocol
 
 import torch
 from torch import nn
@@ -237,7 +237,12 @@ class _Normals:
     as the model computes them; their products are summed in float64 (see
     ``linalg.product_dtype``)."""
 
-    def __init__(self, weights: dict[str, torch.Tensor], bases: dict[str, torch.Tensor], same: bool, dtype: torch.dtype):
+    corrects = True  # only coefficients change: a block output recorded before the fit is corrected, not recomputed
+
+    def __init__(self, modules: dict[str, nn.Module], weights: dict[str, torch.Tensor], same: bool, dtype: torch.dtype,
+                 ridge: float):
+        self.modules, self.ridge = modules, ridge
+        bases = {n: m.basis.weight.detach() for n, m in modules.items()}
         self.weights, self.bases = weights, bases  # as the model holds them: the Gram route solves with these
         self.same = same
         d_in = next(iter(weights.values())).shape[1]
@@ -265,16 +270,40 @@ class _Normals:
             self.a[n] = add_gram(self.a.get(n), z)
             self.r[n] = add_product(self.r.get(n), y, z)
 
-    def solve(self, ridge: float, priors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Each module's refit coefficients (float64)."""
+    def finish(self) -> tuple[dict[str, nn.Module], dict[str, torch.Tensor]]:
+        """Solve each module's coefficients (float64) and write them in its dtype; no module is
+        replaced, and the changes C − C₀ correct the block outputs recorded before."""
+        priors = {n: m.coeff.weight for n, m in self.modules.items()}
         if self.through_outputs:
-            return {n: solve_coefficients(symmetrize(self.a[n]), self.r[n], ridge, priors[n]) for n in self.weights}
-        gram = symmetrize(self.gram)
-        return {n: refit_coefficients(w, self.bases[n], gram, self.cross, ridge=ridge, prior=priors[n])
-                for n, w in self.weights.items()}
+            coeffs = {n: solve_coefficients(symmetrize(self.a[n]), self.r[n], self.ridge, priors[n]) for n in self.weights}
+        else:
+            gram = symmetrize(self.gram)
+            coeffs = {n: refit_coefficients(w, self.bases[n], gram, self.cross, ridge=self.ridge, prior=priors[n])
+                      for n, w in self.weights.items()}
+        changes = {n: c.to(priors[n].dtype) - priors[n] for n, c in coeffs.items()}
+        for n, c in coeffs.items():
+            self.modules[n].coeff.weight.copy_(c)
+        return {}, changes
 
 
-@torch.no_grad()
+class Fit(Protocol):
+    """One stage of ``fit_pass``: the modules reading one input, fitted once every batch's
+    input has been summed (``_Normals`` for low-rank coefficients; a method may bring its own)."""
+
+    corrects: bool  # whether the fit only changes low-rank coefficients (see _Ends)
+
+    def add(self, x: torch.Tensor, x_ref: torch.Tensor | None) -> None:
+        """One batch: what the modules read in the compressed model and in the target (None: the same)."""
+
+    def finish(self) -> tuple[dict[str, nn.Module], dict[str, torch.Tensor]]:
+        """Fit: (modules that replace the stage's modules, coefficient changes of those kept)."""
+
+
+# (the stage's modules by name, their original weights, whether the target input is the
+# compressed one, the pass's dtype) -> the stage's fit
+Stage = Callable[[dict[str, nn.Module], dict[str, torch.Tensor], bool, torch.dtype], Fit]
+
+
 def refit_pass(model: nn.Module, arch: Arch, batches: list[torch.Tensor], build: Callable[[int], dict[str, nn.Module]],
                ridge: float, target: Target, dtype: torch.dtype | None = None) -> None:
     """Compress the model layer by layer, refitting as it goes (see the module docstring):
@@ -284,6 +313,17 @@ def refit_pass(model: nn.Module, arch: Arch, batches: list[torch.Tensor], build:
     that several layers share is fitted where it is first used. The layers run in ``dtype``
     (default: the model's); the normal equations are summed in float64 and the coefficients
     written in the model's dtype."""
+    fit_pass(model, arch, batches, build, lambda *args: _Normals(*args, ridge=ridge), target, dtype, corrects=True)
+
+
+@torch.no_grad()
+def fit_pass(model: nn.Module, arch: Arch, batches: list[torch.Tensor], build: Callable[[int], dict[str, nn.Module]],
+             stage: Stage, target: Target, dtype: torch.dtype | None = None, corrects: bool = False) -> None:
+    """The layer-by-layer pass behind ``refit_pass``, for any fit: ``build(i)`` returns the
+    modules of layer i to fit (swapped in for the originals; a method that replaces a module
+    only once it is fitted returns the original itself), and ``stage`` makes each stage's fit
+    (see ``Fit``), which may replace its modules. ``corrects``: every fit is a ``_Normals``
+    (coefficient changes only), so block outputs recorded before a fit are corrected."""
     offload = offload_of(model)
     reference: list[torch.Tensor] | None = None  # the original model's hidden states (target "model")
     for i, layer, inputs in layerwise(model, batches, arch, "refit (error compensation)", dtype):
@@ -304,9 +344,9 @@ def refit_pass(model: nn.Module, arch: Arch, batches: list[torch.Tensor], build:
             same = target == "function" or (target == "layer" and len(pending) == len(new))
             first, ref = FirstInput(pending), FirstInput({n: originals[n] for n in pending})
             candidates = replays.ended_by_one(pending)
-            ends = _Ends(layer, candidates, new, low_rank=True)
+            ends = _Ends(layer, candidates if corrects else {}, new, low_rank=True)
             ends_ref = _Ends(layer, candidates, originals, low_rank=False)
-            normals: _Normals | None = None
+            fit: Fit | None = None
             for b, (hidden, (args, kwargs)) in enumerate(zip(inputs.hidden, inputs.calls)):
                 with replays("compressed", b, pending), ends(b), computing_in(layer, dtype):
                     x = first(layer, hidden, args, kwargs)
@@ -315,18 +355,20 @@ def refit_pass(model: nn.Module, arch: Arch, batches: list[torch.Tensor], build:
                     with _originals(model, originals, new), replays("original", b, pending), ends_ref(b), \
                             computing_in(layer, dtype):
                         x_ref = ref(layer, ref_inputs.hidden[b], args, kwargs)
-                if normals is None:
+                if fit is None:
                     names = first.names
-                    normals = _Normals({n: weights[n] for n in names}, {n: new[n].basis.weight.detach() for n in names}, same, x.dtype)
+                    fit = stage({n: new[n] for n in names}, {n: weights[n] for n in names}, same, x.dtype)
                     first.through = ends.settle(names)
                     # the original stream's block output is needed by later stages or a reference pass
                     needed = not same and (len(pending) > len(names) or target == "model")
                     ref.through = ends_ref.settle(names if needed else [])
-                normals.add(x, x_ref)
-            coeffs = normals.solve(ridge, {n: new[n].coeff.weight for n in first.names})
-            changes = {n: c.to(new[n].coeff.weight.dtype) - new[n].coeff.weight for n, c in coeffs.items()}
-            for n, c in coeffs.items():
-                pending.pop(n).coeff.weight.copy_(c)
+                fit.add(x, x_ref)
+            replaced, changes = fit.finish()
+            for n in first.names:
+                del pending[n]
+            for n, module in replaced.items():
+                replace_everywhere(model, new[n], module)
+                new[n] = module
             ends.publish(replays, "compressed", changes)
             ends_ref.publish(replays, "original", {})
         with computing_in(layer, dtype):

@@ -76,7 +76,7 @@ class DKMOptions(Strict):
         """The equivalent ``kmeans`` stage (initial clustering, checks and final format)."""
         return KMeansConfig(**self.model_dump(include={"bits", "granularity", "group_size", "cluster_dim", "init",
                                                        "entropy_coding", "codebook_dtype", "targets", "ignore", "seed"}),
-                            sensitivity="none", error_feedback=False, outliers=0)
+                            sensitivity="none", error_feedback=False, refit=False, outliers=0)
 
 
 def _attention(points: torch.Tensor, centroids: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:

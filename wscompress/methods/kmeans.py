@@ -7,9 +7,12 @@ squared error counts with the energy of its input (the diagonal of the layer's i
 matrix from calibration), the indices are chosen with error feedback so that the layer's
 output error, not the weights', is minimised (``error_feedback``; see ``clustering.assign``),
 a small fraction of the most sensitive weights is kept aside in fp16 (``outliers``: the
-dense-and-sparse split of SqueezeLLM) and codebooks are stored in fp16. With
-``sensitivity: none`` and ``error_feedback: false`` it needs no calibration data at all (the
-fast path). The k-means algorithms themselves are in ``wscompress/clustering.py``.
+dense-and-sparse split of SqueezeLLM) and codebooks are stored in fp16. With ``refit`` (the
+default) the decoder layers are palettized in one layer-by-layer pass on the inputs the
+compressed model itself produces, each module for the weight that best reproduces the original
+layer there (``_Palettize``), instead of on the original model's statistics. With
+``sensitivity: none``, ``error_feedback: false`` and ``refit: false`` it needs no calibration
+data at all (the fast path). The k-means algorithms themselves are in ``wscompress/clustering.py``.
 """
 
 from __future__ import annotations
@@ -29,7 +32,10 @@ from torch import nn
 from .. import kernels, ui
 from ..arch import LINEAR_TYPES, Conv1D, dims_of, discover, distinct, match_modules, replace_everywhere, weight_of
 from ..clustering import Init, assign, cluster
+from ..compensate import Target, fit_pass
+from ..data import first_samples
 from ..errors import UsageError
+from ..linalg import add_gram, add_product, solve_coefficients, symmetrize
 from ..modules import CompressedLinear, register_module
 from ..packing import (
     BLOCK,
@@ -67,6 +73,16 @@ class KMeansConfig(StageConfig):
     error_feedback: bool = Field(True, description="choose indices column by column, pushing each column's error "
                                                    "onto the next ones through the inverse Gram matrix (GPTQ)")
     damp: float = Field(0.01, gt=0, description="error feedback: Gram dampening, relative to its mean diagonal")
+    refit: bool = Field(True, description="palettize layer by layer on the inputs the compressed model itself feeds "
+                                          "each module, fitted to refit_target (error compensation, see compensate.py)")
+    refit_target: Target = Field("layer", description="refit: what each module's output is fitted to: the original "
+                                 "layer's, fed the same layer input (layer), the original module on its compressed "
+                                 "inputs (function, GPTQ's sequential mode) or the original model's (model)")
+    refit_samples: int | None = Field(None, gt=0, description="refit: the first N calibration sequences (default: all)")
+    ridge: float = Field(0.1, ge=0, description="refit: ridge toward the original weight in the best weight on the "
+                                                "compressed inputs, relative to the mean diagonal of their Gram matrix "
+                                                "(stronger than the low-rank refit's: a whole weight matrix, not k "
+                                                "coefficients a row, overfits a small calibration set)")
     outliers: float = Field(0.0025, ge=0, lt=0.5, description="fraction of the most sensitive weights kept aside "
                                                               "in a sparse fp16 tensor instead of the codebook")
     codebook_dtype: CodebookDtype = Field("float16", description="dtype the codebooks (and outliers) are stored in")
@@ -74,7 +90,7 @@ class KMeansConfig(StageConfig):
 
     @property
     def needs_statistics(self) -> bool:
-        return self.sensitivity != "none" or self.error_feedback
+        return self.sensitivity != "none" or self.error_feedback or self.refit
 
     @model_validator(mode="after")
     def _group_size(self) -> KMeansConfig:
@@ -356,10 +372,12 @@ def layer_report(name: str, weight: torch.Tensor, layer: PalettizedLinear) -> di
     return row
 
 
-def palettize(module: nn.Module, cfg: KMeansConfig, gram: torch.Tensor | None = None) -> PalettizedLinear:
-    """Cluster one linear's weight into a PalettizedLinear (on the weight's device); ``gram``
-    (its inputs' XᵀX) enables the sensitivity weighting and error feedback the config asks for."""
-    w = weight_of(module).detach()
+def palettize(module: nn.Module, cfg: KMeansConfig, gram: torch.Tensor | None = None,
+              weight: torch.Tensor | None = None) -> PalettizedLinear:
+    """Cluster one linear's weight (or ``weight`` in its place, (out, in)) into a PalettizedLinear
+    (on the weight's device); ``gram`` (its inputs' XᵀX) enables the sensitivity weighting and
+    error feedback the config asks for."""
+    w = weight_of(module).detach() if weight is None else weight
     out, inp = w.shape
     gs, d = group_size_of(cfg, out), cfg.cluster_dim
     energy = gram.diagonal().float().clamp_min(0).to(w.device) if gram is not None and cfg.sensitivity != "none" else \
@@ -394,6 +412,40 @@ def summarize(rows: list[dict], bits: int) -> dict:
     return out
 
 
+class _Palettize:
+    """A stage of ``compensate.fit_pass`` (``refit``): the modules reading one input, palettized
+    once the pass has summed G = X'ᵀX' of what the compressed model feeds them (and, where the
+    target reads another input X, H = XᵀX'). Each is clustered, with G as its statistics, for
+    the weight that best reproduces its target on those inputs, W̃ = argmin ‖X'·W̃ᵀ − X·Wᵀ‖²
+    + λ‖W̃ − W‖² = (W·H + λ·W)(G + λ·I)⁻¹: o then makes up for q/k/v's error, down for the
+    attention's and gate/up's; W itself where the target reads X' too (the layer's first
+    modules)."""
+
+    corrects = False  # a palettized module replaces the dense one
+
+    def __init__(self, modules: dict[str, nn.Module], weights: dict[str, torch.Tensor], same: bool, _dtype: torch.dtype,
+                 cfg: KMeansConfig, rows: list[dict]):
+        self.modules, self.weights, self.same, self.cfg, self.rows = modules, weights, same, cfg, rows
+        self.gram: torch.Tensor | None = None
+        self.cross: torch.Tensor | None = None
+
+    def add(self, x: torch.Tensor, x_ref: torch.Tensor | None) -> None:
+        self.gram = add_gram(self.gram, x)
+        if not self.same:
+            self.cross = add_product(self.cross, x_ref, x)
+
+    def finish(self) -> tuple[dict[str, nn.Module], dict[str, torch.Tensor]]:
+        gram = symmetrize(self.gram)
+        new = {}
+        for name, module in self.modules.items():
+            w = self.weights[name]
+            best = w if self.cross is None else \
+                solve_coefficients(gram, w.double() @ self.cross.to(w.device), self.cfg.ridge, w).to(w.dtype)
+            new[name] = palettize(module, self.cfg, gram, best)
+            self.rows.append(layer_report(name, w, new[name]))
+        return new, {}
+
+
 @register(KMeansConfig)
 def apply(model: nn.Module, cfg: KMeansConfig, ctx) -> dict:
     """Palettize every target linear, one decoder layer at a time; returns totals and one row per layer."""
@@ -406,18 +458,22 @@ def apply(model: nn.Module, cfg: KMeansConfig, ctx) -> dict:
             raise UsageError(f"{name} is tied to the input embeddings, whose lookups decode whole rows: a row's "
                              f"{dims_of(module)[0] // cfg.cluster_dim} indices of {cfg.bits} bits do not fill whole bytes",
                              "use bits: 8, a cluster_dim leaving a multiple of 8 indices a row, or ignore it")
+    by_layer: dict[int | None, list[str]] = {}
+    for name in layers:  # a module shared by several layers: under the first (see target_layers)
+        by_layer.setdefault(arch.layer_of(name), []).append(name)
     grams: Mapping[str, torch.Tensor] = {}
     inside = arch.layers_path + "."
-    if cfg.needs_statistics:  # calibration covers the decoder layers: a module used by several, on all its uses
+    start = time.perf_counter()
+    rows: list[dict] = []
+    if cfg.refit and set(by_layer) - {None}:  # the decoder layers' modules, in one pass over the calibration data
+        fit_pass(model, arch, first_samples(ctx.calibration(), cfg.refit_samples), lambda i: {n: layers[n] for n in by_layer.get(i, [])},
+                 lambda *args: _Palettize(*args, cfg=cfg, rows=rows), cfg.refit_target, ctx.dtype(model))
+        by_layer = {None: by_layer[None]} if None in by_layer else {}
+    elif cfg.needs_statistics:  # calibration covers the decoder layers: a module used by several, on all its uses
         chosen = {id(m) for m in layers.values()}
         every = [n for n, m in model.named_modules(remove_duplicate=False) if n.startswith(inside) and id(m) in chosen]
         if every:
             grams = SharedGrams(model, every, ctx.stats(model, every))
-    by_layer: dict[int | None, list[str]] = {}
-    for name in layers:
-        by_layer.setdefault(arch.layer_of(name), []).append(name)
-    start = time.perf_counter()
-    rows = []
     for i, names in ui.track(list(by_layer.items()), f"kmeans {cfg.bits}-bit"):
         with offload.onload([] if i is None else [i]):
             for name in names:
@@ -428,7 +484,7 @@ def apply(model: nn.Module, cfg: KMeansConfig, ctx) -> dict:
                 replace_everywhere(model, module, layer)
                 if emb is not None:  # a tied head: the embedding reads the same palettized table, stored once
                     replace_everywhere(model, emb, PalettizedEmbedding.around(layer, emb))
-    without = [n for n in layers if cfg.needs_statistics and n not in grams]
+    without = [n for i, names in by_layer.items() for n in names if cfg.needs_statistics and n not in grams]
     return {**summarize(rows, cfg.bits), "cluster_seconds": round(time.perf_counter() - start, 2),
             "sensitivity": cfg.sensitivity, "error_feedback": cfg.error_feedback, "outliers": cfg.outliers,
-            "without_statistics": without, "per_layer": rows}
+            "refit": cfg.refit, "without_statistics": without, "per_layer": rows}
