@@ -58,9 +58,10 @@ LOW_RANK = {  # label -> stage; the ratio is filled in per column
 }
 CLUSTERING = {  # label -> stage; the bits are filled in per column
     "k-means per channel (plain)": {"method": "kmeans", **FAST},
-    "kmeans + sensitivity": {"method": "kmeans", "error_feedback": False, "outliers": 0},
-    "kmeans + sensitivity + feedback": {"method": "kmeans", "outliers": 0},
-    "kmeans (default: + outliers, fp16 codebooks)": {"method": "kmeans"},
+    "kmeans + sensitivity": {"method": "kmeans", "error_feedback": False, "refit": False, "outliers": 0},
+    "kmeans + sensitivity + feedback": {"method": "kmeans", "refit": False, "outliers": 0},
+    "kmeans + outliers, fp16 codebooks (refit: false)": {"method": "kmeans", "refit": False},
+    "kmeans (default: + refit)": {"method": "kmeans"},
 }
 COMBINED = {  # label -> stages, at fixed settings: low-rank factors palettized in turn; soft sharing
     "soft_share (defaults: window 4, rank 16, plain-SVD deltas)": [{"method": "soft_share"}],
