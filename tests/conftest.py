@@ -162,3 +162,33 @@ def layer_reference_inputs(model, base, names, batches) -> dict[str, torch.Tenso
     for h in hooks:
         h.remove()
     return {n: torch.cat(x) for n, x in seen.items()}
+
+
+def first_layers(model, keep: int):
+    """A copy of ``model`` with its first ``keep`` decoder layers only (a short real model)."""
+    import copy
+
+    from wscompress.methods.merge_drop import drop_layers
+
+    short = copy.deepcopy(model)
+    drop_layers(short, list(range(keep)))
+    return short
+
+
+def real_texts(tokenizer) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(4 calibration batches of 8 x 256 tokens of wiki.train, 2 held-out batches of 2 x 256 of wiki.test)."""
+    from wscompress import data
+
+    batches = data.calibration_batches(tokenizer, WIKI_TRAIN, 8, 256, 4, seed=0)
+    held_out = data.tokenize(tokenizer, WIKI_TEST, max_tokens=4 * 256)[: 4 * 256].view(4, 256)
+    return batches, list(held_out.split(2))
+
+
+def hidden_state_error(model, original, texts) -> float:
+    """Mean relative error of ``model``'s last hidden states against ``original``'s over ``texts``."""
+    with torch.no_grad():
+        errors = []
+        for x in texts:
+            want = original.model(input_ids=x).last_hidden_state
+            errors.append(((model.model(input_ids=x).last_hidden_state - want).norm() / want.norm()).item())
+    return sum(errors) / len(errors)

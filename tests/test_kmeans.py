@@ -8,7 +8,8 @@ import struct
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, WIKI_TEST, WIKI_TRAIN, final_inputs, layer_reference_inputs, tiny_model
+from conftest import (REPO, WIKI_TRAIN, final_inputs, first_layers, hidden_state_error, layer_reference_inputs, real_texts,
+                      tiny_model)
 from safetensors import safe_open
 
 import wscompress
@@ -384,32 +385,19 @@ def test_refit_palettizes_each_module_on_the_inputs_it_finally_receives(tokenize
 
 @pytest.mark.slow
 def test_refit_brings_real_layers_closer_to_the_original(smollm2):
-    """On real weights (SmolLM2's first 4 layers, 3 bits), palettizing each module on the
+    """On real weights (SmolLM2's first 3 layers, 3 bits), palettizing each module on the
     compressed model's own inputs for the original layer's output (the default) brings the last
     hidden states closer to the original's than palettizing on the original model's statistics,
     on the calibration text and on held-out text."""
     import copy
 
-    from wscompress import data
-    from wscompress.methods.merge_drop import drop_layers
-
     model, tok = smollm2
-    calibration = {"dataset": WIKI_TRAIN, "num_samples": 32, "seq_len": 256, "seed": 0}
-    batches = data.calibration_batches(tok, WIKI_TRAIN, 8, 256, 4, seed=0)
-    held_out = data.tokenize(tok, WIKI_TEST, max_tokens=4 * 256)[: 4 * 256].view(4, 256)
-    original = copy.deepcopy(model)
-    drop_layers(original, list(range(4)))  # keep the first 4
-
-    def error(m, texts) -> float:
-        with torch.no_grad():
-            last = lambda x: m.model(input_ids=x).last_hidden_state  # noqa: E731
-            return sum(((last(x) - last_original(x)).norm() / last_original(x).norm()).item() for x in texts) / len(texts)
-
-    last_original = lambda x: original.model(input_ids=x).last_hidden_state  # noqa: E731
+    original, texts = first_layers(model, 3), real_texts(tok)
     errors = {}
     for refit in (False, True):
         short = copy.deepcopy(original)
-        wscompress.compress(short, [{"method": "kmeans", "bits": 3, "refit": refit}], tok, calibration)
-        errors[refit] = error(short, batches), error(short, held_out.split(2))
+        wscompress.compress(short, [{"method": "kmeans", "bits": 3, "refit": refit}], tok,
+                            {"dataset": WIKI_TRAIN, "num_samples": 32, "seq_len": 256, "seed": 0})
+        errors[refit] = [hidden_state_error(short, original, t) for t in texts]
     for text in (0, 1):
         assert errors[True][text] < errors[False][text]

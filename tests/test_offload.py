@@ -26,7 +26,7 @@ RECIPES = {  # name -> stages; GOLDEN holds logits[..., :64] of each, computed b
     "basis_sharing_refit": [{"method": "basis_sharing", "ratio": 0.3, "refit": True, "refit_target": "function",
                              "sensitivity_samples": 4}],
     "basis_sharing_uniform": [{"method": "basis_sharing", "ratio": 0.3, "allocation": "uniform", "refit": False}],
-    "kmeans": [{"method": "kmeans", "bits": 3}],
+    "kmeans": [{"method": "kmeans", "bits": 3, "refit": False}],  # on the original model's statistics
 }
 X = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0))
 
@@ -58,6 +58,7 @@ def resident_layers(model) -> list[int]:
 
 STAGED = {"basis_sharing_refit": [{"method": "basis_sharing", "ratio": 0.3, "sensitivity_samples": 4}],  # refit_target: layer
           "basis_sharing_refit_function": RECIPES["basis_sharing_refit"],
+          "kmeans_refit": [{"method": "kmeans", "bits": 3}],
           # then k-means on the bases and coefficients:
           "basis_sharing_kmeans": RECIPES["basis_sharing_uniform"] + [{"method": "kmeans", "bits": 4}]}
 
