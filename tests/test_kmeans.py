@@ -364,7 +364,7 @@ def test_refit_palettizes_each_module_on_the_inputs_it_finally_receives(tokenize
 
     base, model = tiny_model("llama"), tiny_model("llama")
     stage = {"method": "kmeans", "bits": 3, "refit_target": target}
-    wscompress.compress(model, [stage], tokenizer, CALIB)
+    wscompress.compress(model, [stage], tokenizer, {**CALIB, "dtype": "float32"})  # exact float32 references
     names = [n for n, m in model.named_modules() if isinstance(m, PalettizedLinear)]
     assert len(names) == 4 * 7
     batches = data.calibration_batches(tokenizer, CALIB["dataset"], CALIB["num_samples"], CALIB["seq_len"],
