@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install demo test test-fast bench small-tables paper-tables clean
+.PHONY: install demo test test-fast test-bf16 bench small-tables paper-tables clean
 
 install: $(STAMP)
 
@@ -30,6 +30,10 @@ test: install
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow"
+
+# the suite as a CPU with native bfloat16 runs it (calibration passes in bfloat16), emulated on any CPU
+test-bf16: install
+	WSCOMPRESS_TEST_BF16=1 $(PY) -m pytest -q -m "not slow"
 
 # Paper tables: every recipe of a set at every ratio, one run folder each, then one merged table
 # and plot (wscompress report). Calibration statistics are collected once per set and copied into
