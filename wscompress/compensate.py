@@ -237,8 +237,6 @@ class _Normals:
     as the model computes them; their products are summed in float64 (see
     ``linalg.product_dtype``)."""
 
-    corrects = True  # only coefficients change: a block output recorded before the fit is corrected, not recomputed
-
     def __init__(self, modules: dict[str, nn.Module], weights: dict[str, torch.Tensor], same: bool, dtype: torch.dtype,
                  ridge: float):
         self.modules, self.ridge = modules, ridge
@@ -289,8 +287,6 @@ class _Normals:
 class Fit(Protocol):
     """One stage of ``fit_pass``: the modules reading one input, fitted once every batch's
     input has been summed (``_Normals`` for low-rank coefficients; a method may bring its own)."""
-
-    corrects: bool  # whether the fit only changes low-rank coefficients (see _Ends)
 
     def add(self, x: torch.Tensor, x_ref: torch.Tensor | None) -> None:
         """One batch: what the modules read in the compressed model and in the target (None: the same)."""

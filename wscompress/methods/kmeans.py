@@ -421,8 +421,6 @@ class _Palettize:
     attention's and gate/up's; W itself where the target reads X' too (the layer's first
     modules)."""
 
-    corrects = False  # a palettized module replaces the dense one
-
     def __init__(self, modules: dict[str, nn.Module], weights: dict[str, torch.Tensor], same: bool, _dtype: torch.dtype,
                  cfg: KMeansConfig, rows: list[dict]):
         self.modules, self.weights, self.same, self.cfg, self.rows = modules, weights, same, cfg, rows
