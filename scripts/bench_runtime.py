@@ -33,6 +33,7 @@ PLAIN = {"method": "kmeans", "sensitivity": "none", "error_feedback": False, "re
 MODELS = {  # label -> compress stages (empty: the dense model)
     "dense fp32": [],
     "kmeans 4-bit per channel": [{**PLAIN, "bits": 4}],
+    "kmeans 4-bit + 0.25 % outliers": [{**PLAIN, "bits": 4, "outliers": 0.0025}],
     "kmeans 4-bit + tied embedding/head": [{**PLAIN, "bits": 4, "targets": [r"model\.layers\.", "lm_head"]}],
     "kmeans 3-bit per channel": [{**PLAIN, "bits": 3}],
     "kmeans 2-bit per channel": [{**PLAIN, "bits": 2}],
