@@ -50,6 +50,27 @@ def test_lut_matmul_equals_the_reference_path(bits, group_size, outliers, rows):
         torch.testing.assert_close(lin(x.view(1, rows, 72)), ref.view(1, rows, -1), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(kernels.lut() is None, reason="kernels not built here")
+def test_outlier_corrections_follow_a_trained_codebook():
+    """The kernel's outlier corrections (exact weight minus codebook value) are prepared once;
+    a codebook changed in place (a fine-tuning step) or outliers given out of order still give
+    the reference result."""
+    lin = layer(4, 16, outliers=9)
+
+    def check():
+        for rows in (1, kernels.DECODE_ROWS + 1):
+            x = torch.randn(rows, 72)
+            torch.testing.assert_close(lin(x), F.linear(x, lin.dense_weight(), lin.bias), rtol=1e-5, atol=1e-5)
+
+    with torch.no_grad():
+        check()
+        lin.codebook.mul_(1.5)
+        check()
+        lin.outlier_index.copy_(lin.outlier_index.flip(0))
+        lin.outlier_value.copy_(lin.outlier_value.flip(0))
+        check()
+
+
 def test_gradients_and_vector_codebooks_take_the_reference_path():
     lin = layer(4, 1)
     x = torch.randn(2, 72)

@@ -22,7 +22,7 @@ import warnings
 from functools import cache
 from pathlib import Path
 from types import ModuleType
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -183,34 +183,57 @@ def status() -> str:
     return ", ".join(dict.fromkeys(paths))
 
 
+class SparseRows(NamedTuple):
+    """A palettized layer's weights kept aside from its codebook (outliers), as corrections by
+    weight row (CSR): row r's are at columns ``col[row_ptr[r]:row_ptr[r + 1]]``, each adding
+    ``delta`` (the exact weight minus its codebook value). By rows, the CPU kernel adds a row's
+    few while its sums are in registers."""
+    row_ptr: torch.Tensor  # (out + 1,) int64
+    col: torch.Tensor  # int32
+    delta: torch.Tensor  # float32
+
+    @classmethod
+    def from_positions(cls, pos: torch.Tensor, delta: torch.Tensor, shape: tuple[int, int]) -> SparseRows:
+        """From flat positions in a (out, in) weight, in any order, and their corrections."""
+        order = pos.argsort()
+        pos = pos[order]
+        counts = torch.bincount(pos // shape[1], minlength=shape[0])
+        row_ptr = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+        return cls(row_ptr, (pos % shape[1]).to(torch.int32), delta[order].float().contiguous())
+
+    def rows(self) -> torch.Tensor:
+        """Each correction's weight row."""
+        return torch.repeat_interleave(torch.arange(len(self.row_ptr) - 1, device=self.row_ptr.device),
+                                       self.row_ptr.diff())
+
+
+_NO_OUTLIERS = SparseRows(*(torch.empty(0, dtype=t) for t in (torch.int64, torch.int32, torch.float32)))
+
+
 def palettized_linear(x: torch.Tensor, indices: torch.Tensor, width: int, tables: torch.Tensor, group_size: int,
-                      out_features: int, outliers: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
+                      out_features: int, outliers: SparseRows | None = None) -> torch.Tensor | None:
     """x @ Wᵀ (no bias) for a palettized W whose row r reads ``tables[r // group_size]`` at its
-    indices (``width`` 4: two per byte, low nibble first; 8: one per byte) and whose weights at
-    the flat positions ``outliers[0]`` differ from their codebook value by ``outliers[1]``, or
-    None where the kernel does not apply (gradients needed, kernels unavailable, on CPU not
-    float32, on CUDA more than DECODE_ROWS rows: prefill is compute-bound, and cuBLAS on the
-    weight decoded by torch wins there)."""
+    indices (``width`` 4: two per byte, low nibble first; 8: one per byte) plus the ``outliers``'
+    corrections, or None where the kernel does not apply (gradients needed, kernels
+    unavailable, on CPU not float32, on CUDA more than DECODE_ROWS rows: prefill is
+    compute-bound, and cuBLAS on the weight decoded by torch wins there)."""
     if torch.is_grad_enabled() and (x.requires_grad or tables.requires_grad):
         return None
     if _triton_path(x):
         y = _gpu_linear(x, indices, width, tables, group_size, out_features)
-    else:
-        module = lut()
-        if module is None or x.device.type != "cpu" or x.dtype != torch.float32:
-            return None
-        flat = x.reshape(-1, x.shape[-1]).contiguous()
-        tables = tables.detach().float().contiguous()
-        if flat.shape[0] > DECODE_ROWS:  # prefill: decode this layer's dense weight once (transient), the BLAS multiplies
-            w = module.lut_dense(indices, tables, width, group_size, out_features, flat.shape[1])
-            if outliers is not None:  # into the weight: cheaper than a correction of every row of the output
-                w.view(-1).index_add_(0, outliers[0], outliers[1].to(w.dtype))
-            return F.linear(flat, w).view(*x.shape[:-1], out_features)
-        y = module.lut_linear(flat, indices, tables, width, group_size, out_features).view(*x.shape[:-1], out_features)
-    if y is not None and outliers is not None:  # decoding: add each kept-aside weight's share to its output
-        pos, delta = outliers
-        y.index_add_(-1, pos // x.shape[-1], x[..., pos % x.shape[-1]] * delta.to(x.dtype))
-    return y
+        if y is not None and outliers is not None:  # add each kept-aside weight's share to its output
+            y.index_add_(-1, outliers.rows(), x[..., outliers.col.long()] * outliers.delta.to(x.dtype))
+        return y
+    module = lut()
+    if module is None or x.device.type != "cpu" or x.dtype != torch.float32:
+        return None
+    flat = x.reshape(-1, x.shape[-1]).contiguous()
+    tables = tables.detach().float().contiguous()
+    sparse = outliers or _NO_OUTLIERS
+    if flat.shape[0] > DECODE_ROWS:  # prefill: decode this layer's dense weight once (transient), the BLAS multiplies
+        w = module.lut_dense(indices, tables, width, group_size, out_features, flat.shape[1], *sparse)
+        return F.linear(flat, w).view(*x.shape[:-1], out_features)
+    return module.lut_linear(flat, indices, tables, width, group_size, out_features, *sparse).view(*x.shape[:-1], out_features)
 
 
 def _triton_path(x: torch.Tensor) -> bool:

@@ -6,6 +6,11 @@
 // bytes; on AVX2, 8 at a time with two permutes and a blend) and is multiplied into up to 8
 // input rows at once. For long inputs (prefill) the caller
 // decodes the dense weight with lut_dense, one layer at a time, and uses the BLAS.
+//
+// Weights kept aside from the codebook (outliers) come as a sparse correction in CSR form
+// (row_ptr, col, delta: the exact weight minus its codebook value). Each row adds its own few
+// while its sums are still in registers, so decoding pays for them in the same pass instead of
+// in a separate gather-and-scatter over the output (which cost more than the kernel saved).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -19,6 +24,13 @@ inline int64_t index_at(const uint8_t* row, int64_t j) {
   if constexpr (W == 4) return (row[j >> 1] >> ((j & 1) * 4)) & 15;
   else return row[j];
 }
+
+// The outliers' corrections, CSR by weight row; row_ptr null: none.
+struct Sparse {
+  const int64_t* row_ptr;
+  const int32_t* col;
+  const float* delta;
+};
 
 #ifdef __AVX512F__
 template <int W>
@@ -62,7 +74,7 @@ inline float sum8(__m256 v) {
 // time (independent accumulators keep the FMA units busy when M is small).
 template <int W, int M, int R>
 void gemv_rows(const float* x, const uint8_t* idx, const float* tables, int64_t k, int64_t group_size,
-               int64_t in, int64_t out, float* y, int64_t r0, int64_t r1) {
+               int64_t in, int64_t out, Sparse sp, float* y, int64_t r0, int64_t r1) {
   const int64_t row_bytes = W == 4 ? in / 2 : in;
   int64_t r = r0;
   for (; r + R <= r1; r += R) {
@@ -118,16 +130,20 @@ void gemv_rows(const float* x, const uint8_t* idx, const float* tables, int64_t 
         float w = table[i][index_at<W>(row[i], j)];
         for (int m = 0; m < M; ++m) sums[i][m] += w * x[m * in + j];
       }
+    if (sp.row_ptr)
+      for (int i = 0; i < R; ++i)
+        for (int64_t p = sp.row_ptr[r + i]; p < sp.row_ptr[r + i + 1]; ++p)
+          for (int m = 0; m < M; ++m) sums[i][m] += sp.delta[p] * x[m * in + sp.col[p]];
     for (int i = 0; i < R; ++i)
       for (int m = 0; m < M; ++m) y[m * out + r + i] = sums[i][m];
   }
   if constexpr (R > 1) {
-    if (r < r1) gemv_rows<W, M, 1>(x, idx, tables, k, group_size, in, out, y, r, r1);
+    if (r < r1) gemv_rows<W, M, 1>(x, idx, tables, k, group_size, in, out, sp, y, r, r1);
   }
 }
 
 template <int W>
-void decode_rows(const uint8_t* idx, const float* tables, int64_t k, int64_t group_size, int64_t in,
+void decode_rows(const uint8_t* idx, const float* tables, int64_t k, int64_t group_size, int64_t in, Sparse sp,
                  float* dense, int64_t r0, int64_t r1) {
   const int64_t row_bytes = W == 4 ? in / 2 : in;
   for (int64_t r = r0; r < r1; ++r) {
@@ -144,19 +160,21 @@ void decode_rows(const uint8_t* idx, const float* tables, int64_t k, int64_t gro
     for (; j + 8 <= in; j += 8) _mm256_storeu_ps(out + j, decode8<W>(row, j, table, lo, hi));
 #endif
     for (; j < in; ++j) out[j] = table[index_at<W>(row, j)];
+    if (sp.row_ptr)
+      for (int64_t p = sp.row_ptr[r]; p < sp.row_ptr[r + 1]; ++p) out[sp.col[p]] += sp.delta[p];
   }
 }
 
 template <int W, int M>
 void gemv(const float* x, const uint8_t* idx, const float* tables, int64_t k, int64_t gs, int64_t in, int64_t out,
-          float* y) {
+          Sparse sp, float* y) {
   constexpr int R = M == 1 || M == 2 ? 4 : M <= 4 ? 2 : 1;
-  at::parallel_for(0, out, 64, [&](int64_t r0, int64_t r1) { gemv_rows<W, M, R>(x, idx, tables, k, gs, in, out, y, r0, r1); });
+  at::parallel_for(0, out, 64, [&](int64_t r0, int64_t r1) { gemv_rows<W, M, R>(x, idx, tables, k, gs, in, out, sp, y, r0, r1); });
 }
 
 template <int W>
 torch::Tensor run(const torch::Tensor& x, const torch::Tensor& idx, const torch::Tensor& tables, int64_t group_size,
-                  int64_t out) {
+                  int64_t out, Sparse sp) {
   const int64_t batch = x.size(0), in = x.size(1), k = tables.size(1);
   const float* xp = x.data_ptr<float>();
   const uint8_t* ip = idx.data_ptr<uint8_t>();
@@ -168,44 +186,57 @@ torch::Tensor run(const torch::Tensor& x, const torch::Tensor& idx, const torch:
     const float* xm = xp + m0 * in;
     float* ym = yp + m0 * out;
     switch (m) {
-      case 1: gemv<W, 1>(xm, ip, tp, k, group_size, in, out, ym); break;
-      case 2: gemv<W, 2>(xm, ip, tp, k, group_size, in, out, ym); break;
-      case 3: gemv<W, 3>(xm, ip, tp, k, group_size, in, out, ym); break;
-      case 4: gemv<W, 4>(xm, ip, tp, k, group_size, in, out, ym); break;
-      case 5: gemv<W, 5>(xm, ip, tp, k, group_size, in, out, ym); break;
-      case 6: gemv<W, 6>(xm, ip, tp, k, group_size, in, out, ym); break;
-      case 7: gemv<W, 7>(xm, ip, tp, k, group_size, in, out, ym); break;
-      default: gemv<W, 8>(xm, ip, tp, k, group_size, in, out, ym);
+      case 1: gemv<W, 1>(xm, ip, tp, k, group_size, in, out, sp, ym); break;
+      case 2: gemv<W, 2>(xm, ip, tp, k, group_size, in, out, sp, ym); break;
+      case 3: gemv<W, 3>(xm, ip, tp, k, group_size, in, out, sp, ym); break;
+      case 4: gemv<W, 4>(xm, ip, tp, k, group_size, in, out, sp, ym); break;
+      case 5: gemv<W, 5>(xm, ip, tp, k, group_size, in, out, sp, ym); break;
+      case 6: gemv<W, 6>(xm, ip, tp, k, group_size, in, out, sp, ym); break;
+      case 7: gemv<W, 7>(xm, ip, tp, k, group_size, in, out, sp, ym); break;
+      default: gemv<W, 8>(xm, ip, tp, k, group_size, in, out, sp, ym);
     }
   }
   return y;
 }
 
+Sparse sparse(const torch::Tensor& row_ptr, const torch::Tensor& col, const torch::Tensor& delta, int64_t out) {
+  if (row_ptr.numel() == 0) return {nullptr, nullptr, nullptr};
+  TORCH_CHECK(row_ptr.scalar_type() == torch::kLong && row_ptr.is_contiguous() && row_ptr.numel() == out + 1,
+              "row_ptr: contiguous int64 (out + 1)");
+  TORCH_CHECK(col.scalar_type() == torch::kInt && col.is_contiguous(), "col: contiguous int32");
+  TORCH_CHECK(delta.scalar_type() == torch::kFloat && delta.is_contiguous() && delta.numel() == col.numel(),
+              "delta: contiguous float32, one per col");
+  return {row_ptr.data_ptr<int64_t>(), col.data_ptr<int32_t>(), delta.data_ptr<float>()};
+}
+
 }  // namespace
 
 // x (batch, in) float32; idx (out * in / 2 or out * in) uint8; tables (groups, k) float32, k = 16
-// for width 4 (padded), 2^bits for width 8. Returns x @ W^T (batch, out).
+// for width 4 (padded), 2^bits for width 8; row_ptr (out + 1) int64, col int32, delta float32: the
+// outliers' corrections (row_ptr empty: none). Returns x @ W^T (batch, out).
 torch::Tensor lut_linear(torch::Tensor x, torch::Tensor idx, torch::Tensor tables, int64_t width, int64_t group_size,
-                         int64_t out) {
+                         int64_t out, torch::Tensor row_ptr, torch::Tensor col, torch::Tensor delta) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x: contiguous float32 (batch, in)");
   TORCH_CHECK(idx.scalar_type() == torch::kUInt8 && idx.is_contiguous(), "idx: contiguous uint8");
   TORCH_CHECK(tables.scalar_type() == torch::kFloat && tables.is_contiguous(), "tables: contiguous float32");
   TORCH_CHECK(width == 4 || width == 8, "width must be 4 or 8");
   TORCH_CHECK(idx.numel() * (width == 4 ? 2 : 1) == out * x.size(1), "idx size does not match (out, in)");
-  return width == 4 ? run<4>(x, idx, tables, group_size, out) : run<8>(x, idx, tables, group_size, out);
+  const Sparse sp = sparse(row_ptr, col, delta, out);
+  return width == 4 ? run<4>(x, idx, tables, group_size, out, sp) : run<8>(x, idx, tables, group_size, out, sp);
 }
 
-// The dense (out, in) weight, for paths that need it (export, reference checks).
+// The dense (out, in) weight, outliers included (prefill decodes it and hands it to the BLAS).
 torch::Tensor lut_dense(torch::Tensor idx, torch::Tensor tables, int64_t width, int64_t group_size, int64_t out,
-                        int64_t in) {
+                        int64_t in, torch::Tensor row_ptr, torch::Tensor col, torch::Tensor delta) {
+  const Sparse sp = sparse(row_ptr, col, delta, out);
   auto dense = torch::empty({out, in}, tables.options());
   const uint8_t* ip = idx.data_ptr<uint8_t>();
   const float* tp = tables.data_ptr<float>();
   float* dp = dense.data_ptr<float>();
   const int64_t k = tables.size(1);
   at::parallel_for(0, out, 64, [&](int64_t r0, int64_t r1) {
-    if (width == 4) decode_rows<4>(ip, tp, k, group_size, in, dp + r0 * in, r0, r1);
-    else decode_rows<8>(ip, tp, k, group_size, in, dp + r0 * in, r0, r1);
+    if (width == 4) decode_rows<4>(ip, tp, k, group_size, in, sp, dp + r0 * in, r0, r1);
+    else decode_rows<8>(ip, tp, k, group_size, in, sp, dp + r0 * in, r0, r1);
   });
   return dense;
 }

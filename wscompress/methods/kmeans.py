@@ -225,35 +225,40 @@ class PalettizedLinear(CompressedLinear):
             return F.linear(x, self.dense_weight().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
         return y if self.bias is None else y + self.bias
 
-    def kernel_layout(self) -> tuple[torch.Tensor, int, torch.Tensor] | None:
-        """(indices as the LUT kernel reads them, their width, each outlier's index), prepared once
-        and kept while the indices stay the same: the stored bytes themselves at 4 and 8 bits,
-        re-packed as nibbles (1-3 bits) or bytes (5-7 bits) otherwise. None: scalar codebooks only."""
+    def kernel_layout(self) -> tuple[torch.Tensor, int, kernels.SparseRows | None] | None:
+        """(indices as the LUT kernel reads them, their width, the outliers' corrections by row),
+        prepared once and kept while indices, codebook and outliers stay the same: the stored
+        bytes themselves at 4 and 8 bits, re-packed as nibbles (1-3 bits) or bytes (5-7 bits)
+        otherwise. None: scalar codebooks only."""
         if self.cluster_dim != 1 or self.in_features % 2:
             return None
-        key = (self.indices.data_ptr(), self.indices._version)
+        key = [(t.data_ptr(), t._version) for t in (self.indices, self.codebook)]
+        if self.outliers:  # their corrections depend on the codebook (which fine-tuning trains) too
+            key += [(t.data_ptr(), t._version) for t in (self.outlier_index, self.outlier_value)]
         if getattr(self, "_layout_key", None) != key:
             idx = self.index_matrix()
             width = 4 if self.bits <= 4 else 8
             layout = self.indices if self.bits in (4, 8) else pack(idx, 4) if width == 4 else idx.to(torch.uint8).flatten()
-            at = idx.flatten()[self.outlier_index.long()] if self.outliers else idx.new_empty(0)
-            self._layout, self._layout_key = (layout, width, at), key
+            sparse = None
+            if self.outliers:  # the exact weights kept aside: their difference to the codebook value
+                pos = self.outlier_index.long()
+                delta = self.outlier_value - self.codebook[pos // self.in_features // self.group_size, idx.flatten()[pos], 0]
+                sparse = kernels.SparseRows.from_positions(pos, delta.detach(), (self.out_features, self.in_features))
+            self._layout, self._layout_key = (layout, width, sparse), key
         return self._layout
 
     def lut_forward(self, x: torch.Tensor) -> torch.Tensor | None:
         """x @ Wᵀ by the look-up-table kernel (wscompress.kernels), never forming W; None where it does not apply."""
+        if torch.is_grad_enabled() and (x.requires_grad or self.codebook.requires_grad):
+            return None  # the codebook trains: autograd needs the torch path (and the layout would go stale each step)
         layout = self.kernel_layout()
         if layout is None:
             return None
-        indices, width, at = layout
+        indices, width, sparse = layout
         tables = self.codebook[..., 0]
         if width == 4 and tables.shape[1] < 16:
             tables = F.pad(tables, (0, 16 - tables.shape[1]))
-        outliers = None
-        if self.outliers:  # the exact weights kept aside: their difference to the codebook value
-            pos = self.outlier_index.long()
-            outliers = pos, self.outlier_value - self.codebook[pos // self.in_features // self.group_size, at, 0]
-        return kernels.palettized_linear(x, indices, width, tables, self.group_size, self.out_features, outliers)
+        return kernels.palettized_linear(x, indices, width, tables, self.group_size, self.out_features, sparse)
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         """Fine-tuning a palettized layer trains its centroids (Deep Compression)."""
