@@ -106,7 +106,8 @@ def test_method_mode_needs_compressed_layers(tmp_path, tokenizer):
 @pytest.mark.parametrize("stage,trained_part", [
     ({"method": "cross_layer", "what": "ffn", "group_size": 2, "init": "mean"}, ".mlp."),
     ({"method": "merge_drop", "n": 2, "start": 1}, "model.layers.1."),
-    ({"method": "gqa", "groups": 1}, ("k_proj", "v_proj")),
+    ({"method": "gqa", "groups": 1, "init": "mean"}, ("k_proj", "v_proj")),
+    ({"method": "gqa", "groups": 1}, ("q_proj", "k_proj", "v_proj", "o_proj")),  # pca folds into q and o
     ({"method": "factorize_embeddings", "rank": 16}, "embed_tokens"),
 ])
 def test_method_mode_trains_what_a_structural_stage_made(stage, trained_part, tmp_path, tokenizer):
