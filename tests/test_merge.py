@@ -68,7 +68,9 @@ def test_smollm2_merge_drop_and_gqa_save_reload_and_generate(smollm2_dir, tmp_pa
     from wscompress import load
 
     model, tokenizer = load(str(smollm2_dir))
-    rows = compress(model, [{"method": "merge_drop", "n": 2}, {"method": "gqa", "groups": 1}])
+    rows = compress(model, [{"method": "merge_drop", "n": 2}, {"method": "gqa", "groups": 1}], tokenizer,
+                    {"dataset": "pydoc", "num_samples": 4, "seq_len": 128})  # gqa's pca reads the merged model's Grams
     assert rows[0]["windows"] == [[27, 28]] and model.config.num_hidden_layers == 29
+    assert rows[1]["init"] == "pca" and 0.5 < rows[1]["value_energy_kept"] < 1
     assert model.config.num_key_value_heads == 1
     assert_roundtrip(model, tokenizer, tmp_path / "m")
