@@ -258,19 +258,20 @@ def test_a_bfloat16_refit_streams_bfloat16_and_writes_float32_coefficients(token
 
 @pytest.mark.slow
 def test_refit_brings_real_layers_closer_to_the_original(smollm2):
-    """On real weights and shapes (SmolLM2's first 6 layers, 40 %), fitting each module to the
+    """On real weights and shapes (SmolLM2's first 4 layers, 40 %, one ratio for every matrix so
+    the three differ in the refit only), fitting each module to the
     original layer's output (the default refit) brings the last hidden states closer to the
     original's than the official update or no refit, on the calibration text it was fitted on
     and on held-out text."""
     model, tok = smollm2
-    original, texts = first_layers(model, 6), real_texts(tok)
+    original, texts = first_layers(model, 4), real_texts(tok)
     errors = {}
     for refit in ({"refit": False}, {"refit_target": "function"}, {"refit_target": "layer"}):
         short = copy.deepcopy(original)
-        wscompress.compress(short, [{"method": "basis_sharing", "ratio": 0.4, "group_size": 2, **refit}], tok,
+        wscompress.compress(short, [{"method": "basis_sharing", "ratio": 0.4, "group_size": 2, "allocation": "uniform", **refit}], tok,
                             {"dataset": WIKI_TRAIN, "num_samples": 8, "seq_len": 256, "seed": 0})
         errors[next(iter(refit.values()))] = [hidden_state_error(short, original, t) for t in texts]
-    for text in (0, 1):  # measured: layer 0.267 / 0.460, function 0.279 / 0.462, none 0.277 / 0.461
+    for text in (0, 1):  # measured: layer 0.264 / 0.465, function 0.299 / 0.479, none 0.297 / 0.480
         assert errors["layer"][text] < min(errors["function"][text], errors[False][text])
 
 
