@@ -80,7 +80,7 @@ def merge_values(wv: torch.Tensor, bv: torch.Tensor | None, wo: torch.Tensor, gr
     g, r = kv // groups, heads // kv
     wo_q = wo.view(wo.shape[0], kv, r, d)
     m = torch.einsum("ohri,ohrj->hij", wo_q, wo_q)  # per kv head: what o_proj makes of an error in it
-    m = m + 1e-9 * m.diagonal(dim1=1, dim2=2).mean() * torch.eye(d, dtype=m.dtype)
+    m = m + 1e-9 * m.diagonal(dim1=1, dim2=2).mean() * torch.eye(d, dtype=m.dtype, device=m.device)
     lower = torch.linalg.cholesky(m)  # M_h = L Lᵀ: ‖Lᵀ δ‖ measures an error δ in v_h
     s = (lower.mT @ wv.view(kv, d, -1)).reshape(groups, g * d, -1)  # the weighted heads, stacked per group
     vals, vecs = torch.linalg.eigh(s @ gram @ s.mT)
@@ -106,7 +106,8 @@ def _rows(z: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def merge_keys(wk: torch.Tensor, bk: torch.Tensor | None, wq: torch.Tensor, bq: torch.Tensor | None,
-               gram: torch.Tensor, heads: int, groups: int):
+               gram: torch.Tensor, heads: int, groups: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor,
+                                                                     torch.Tensor | None, float]:
     """(k weight, k bias, q weight, q bias, share of the weighted energy kept) for ``groups`` key
     heads from those of ``wk`` (kv·d, D), read by the ``heads`` query heads of ``wq`` (heads·d, D)."""
     wk, bk, wq, bq, gram = _double(wk), _double(bk), _double(wq), _double(bq), gram.double()
@@ -136,7 +137,7 @@ def _keys_by_pca(model: nn.Module, arch: Arch) -> str | None:
     attn = get_module(model, arch.submodule_name(0, "attn"))
     if hasattr(attn, "k_norm") or hasattr(attn, "q_norm"):
         return "a per-head norm on queries and keys"
-    if model.config.model_type in INTERLEAVED_ROPE or getattr(model.config, "partial_rotary_factor", 1.0) != 1.0:
+    if model.config.model_type in INTERLEAVED_ROPE or (getattr(model.config, "partial_rotary_factor", None) or 1.0) != 1.0:
         return "RoPE on other pairs than whole heads in halves"
     return None
 
