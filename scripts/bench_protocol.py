@@ -71,7 +71,8 @@ COMBINED = {  # label -> stages, at fixed settings: low-rank factors palettized 
     "basis_sharing g2 20 % + kmeans 3-bit": [{"method": "basis_sharing", "group_size": 2, "ratio": 0.2, "refit": False},
                                             {"method": "kmeans", "bits": 3}],
     "gqa 3 -> 1 kv heads, init: mean (Ainslie et al.)": [{"method": "gqa", "groups": 1, "init": "mean"}],
-    "gqa 3 -> 1 kv heads, init: pca (default)": [{"method": "gqa", "groups": 1}],
+    "gqa 3 -> 1 kv heads, init: pca, refit: false": [{"method": "gqa", "groups": 1, "refit": False}],
+    "gqa 3 -> 1 kv heads, init: pca (default: + o_proj refit)": [{"method": "gqa", "groups": 1}],
 }
 # Published figures of the reference implementations on this protocol (measured by running the
 # official code on this machine, issue 11): label -> {ratio: wiki.test perplexity}
