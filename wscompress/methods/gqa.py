@@ -261,12 +261,13 @@ def apply(model, cfg: GQAConfig, ctx) -> dict:
         if not cfg.refit:
             kept = [merge_layer(model, arch, i, stats.of(roles["k"]), cfg.groups, why_not is None)
                     for i, roles in enumerate(projections)]
-        for i, layer, inputs in layerwise(model, ctx.calibration(), arch, "gqa (o_proj refit)", dtype) if cfg.refit else ():
-            o = get_module(model, projections[i]["o"])
-            reference = contexts(layer, inputs, o, dtype)  # the original attention, on what the merged layers feed it
-            kept.append(merge_layer(model, arch, i, stats.of(projections[i]["k"]), cfg.groups, why_not is None))
-            merged = get_module(model, projections[i]["o"])
-            refit_o(merged, o, contexts(layer, inputs, merged, dtype), reference)
+        else:  # layer by layer, each o_proj refit on what the merged layers before feed it
+            for i, layer, inputs in layerwise(model, ctx.calibration(), arch, "gqa (o_proj refit)", dtype):
+                o = get_module(model, projections[i]["o"])
+                reference = contexts(layer, inputs, o, dtype)  # the original attention's
+                kept.append(merge_layer(model, arch, i, stats.of(projections[i]["k"]), cfg.groups, why_not is None))
+                merged = get_module(model, projections[i]["o"])
+                refit_o(merged, o, contexts(layer, inputs, merged, dtype), reference)
         report |= {"refit": cfg.refit, "value_energy_kept": round(sum(v for v, _ in kept) / len(kept), 4),
                    "key_energy_kept": "keys averaged: " + why_not if why_not else round(sum(k for _, k in kept) / len(kept), 4)}
     model.config.num_key_value_heads = cfg.groups
