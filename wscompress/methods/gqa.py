@@ -30,7 +30,6 @@ o, the strength k-means' whole-matrix refit chose on held-out text).
 
 from __future__ import annotations
 
-from contextlib import ExitStack
 from typing import Literal
 
 import torch
@@ -39,6 +38,7 @@ from torch import nn
 
 from ..arch import Arch, discover, distinct, get_module, replace_everywhere, require_unshared, weight_of
 from ..calibrate import LayerInputs, computing_in, layerwise
+from ..compensate import FirstInput
 from ..errors import UsageError
 from ..linalg import add_gram, add_product, solve_coefficients, symmetrize
 from ..recipe import StageConfig
@@ -190,28 +190,13 @@ def set_kv_heads(model: nn.Module, arch: Arch, i: int, groups: int) -> None:
         attn.num_key_value_heads = groups
 
 
-class _Reached(Exception):
-    """Ends a layer's forward once o_proj's input is recorded."""
-
-
 @torch.no_grad()
 def contexts(layer: nn.Module, inputs: LayerInputs, o: nn.Module, dtype: torch.dtype | None) -> list[torch.Tensor]:
     """o's input (the attention's context) for every batch of ``inputs``, (tokens, d): the layer
-    runs, in ``dtype``, only as far as o."""
-    seen = []
-
-    def at_o(_module, args):
-        seen.append(args[0].reshape(-1, args[0].shape[-1]))
-        raise _Reached
-
-    with ExitStack() as stack, computing_in(layer, dtype):
-        stack.callback(o.register_forward_pre_hook(at_o).remove)
-        for hidden, (args, kwargs) in zip(inputs.hidden, inputs.calls):
-            try:
-                layer(hidden, *args, **kwargs)
-            except _Reached:
-                pass
-    return seen
+    runs, in ``dtype``, only as far as o (``compensate.FirstInput``)."""
+    reader = FirstInput({"o": o})
+    with computing_in(layer, dtype):
+        return [reader(layer, hidden, args, kwargs) for hidden, (args, kwargs) in zip(inputs.hidden, inputs.calls)]
 
 
 @torch.no_grad()
