@@ -66,6 +66,27 @@ def test_alignment_recovers_a_known_permutation():
     assert torch.equal(perm[alignment(acts, shuffled)], torch.arange(32))
 
 
+def test_sampled_activations_align_a_permuted_copy_of_a_layer(tokenizer):
+    """Layer 1 is layer 0 with its FFN neurons shuffled, and layer 0 barely changes the stream:
+    the sampled activations of both layers must be of the same tokens for the alignment to
+    find the shuffle."""
+    from wscompress.sharing import sample_inputs
+
+    model = tiny_model("llama")
+    arch = discover(model)
+    names = [ffn_names(arch, i) for i in (0, 1)]
+    perm = torch.randperm(128, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        arch.layers[1].load_state_dict(arch.layers[0].state_dict())
+        for role, name in names[1].items():
+            w = model.get_submodule(name).weight
+            w.copy_(w[:, perm] if role == "down" else w[perm])
+        arch.layers[0].mlp.down_proj.weight.mul_(1e-4)  # layer 1 reads (almost) what layer 0 read
+        arch.layers[0].self_attn.o_proj.weight.mul_(1e-4)
+    acts = sample_inputs(model, arch, Calibration(tokenizer).batches, "down", rows_per_batch=48)
+    assert torch.equal(perm[alignment(acts[0], acts[1])], torch.arange(128))
+
+
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
 def test_full_rank_deltas_reproduce_the_model(kind, tokenizer):
     model = tiny_model(kind)

@@ -175,13 +175,15 @@ class ActivationSampler:
 def sample_inputs(model: nn.Module, arch: Arch, batches: list[torch.Tensor], role: str,
                   rows_per_batch: int = 256) -> dict[int, torch.Tensor]:
     """Layer index -> (tokens, features) sample of the inputs of each layer's ``role``
-    projection (e.g. 'down': the FFN's intermediate activations), layer by layer."""
+    projection (e.g. 'down': the FFN's intermediate activations), layer by layer. Every layer
+    keeps the same token positions, so row t of two layers' samples is one token: neuron
+    alignment correlates them row by row."""
     out = {}
     for i, layer, inputs in layerwise(model, batches, arch, label=f"sampling {role} inputs"):
         name = arch.projections(i).get(role)
         if name is None:
             raise UsageError(f"layer {i} has no {role} projection", "this method needs FFN layers (gate/up/down projections)")
-        sampler = ActivationSampler({name: get_module(model, name)}, rows_per_batch, seed=i)
+        sampler = ActivationSampler({name: get_module(model, name)}, rows_per_batch)
         run_layer(layer, inputs)
         out[i] = sampler.close()[name]
     return out
