@@ -104,7 +104,7 @@ def test_method_mode_needs_compressed_layers(tmp_path, tokenizer):
 
 
 @pytest.mark.parametrize("stage,trained_part", [
-    ({"method": "cross_layer", "what": "ffn", "group_size": 2, "init": "mean"}, ".mlp."),
+    ({"method": "cross_layer", "what": "ffn", "group_size": 2, "init": "mean", "refit": False}, ".mlp."),
     ({"method": "merge_drop", "n": 2, "start": 1}, "model.layers.1."),
     ({"method": "gqa", "groups": 1, "init": "mean"}, ("k_proj", "v_proj")),
     ({"method": "gqa", "groups": 1}, ("q_proj", "k_proj", "v_proj", "o_proj")),  # pca folds into q and o

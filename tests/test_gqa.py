@@ -82,13 +82,14 @@ def test_model_without_kv_head_config_is_a_usage_error():
 
 def test_projections_shared_across_layers_stay_shared(tokenizer, tmp_path):
     model = tiny_model("llama_mha")
-    compress(model, [{"method": "cross_layer", "what": "attn", "group_size": 2}, {"method": "gqa", "groups": 2, "init": "mean"}])
+    compress(model, [{"method": "cross_layer", "what": "attn", "group_size": 2, "init": "mean", "refit": False},
+                     {"method": "gqa", "groups": 2, "init": "mean"}])
     layers = model.model.layers
     assert layers[0].self_attn.k_proj is layers[1].self_attn.k_proj
     assert layers[0].self_attn.k_proj.out_features == 32
     assert_roundtrip(model, tokenizer, tmp_path / "m")
     with pytest.raises(UsageError, match="init: mean pools shared projections"):
-        compress(tiny_model("llama_mha"), [{"method": "cross_layer", "what": "attn", "group_size": 2},
+        compress(tiny_model("llama_mha"), [{"method": "cross_layer", "what": "attn", "group_size": 2, "init": "mean", "refit": False},
                                            {"method": "gqa", "groups": 2}], tokenizer, CALIB)
 
 

@@ -11,7 +11,8 @@ from wscompress.arch import dims_of, discover, set_module
 from wscompress.errors import UsageError
 from wscompress.finetune import finetune
 from wscompress.methods import METHODS
-from wscompress.methods.soft_share import LowRankDeltaLinear, aligned_weights, alignment, ffn_names
+from wscompress.methods.soft_share import LowRankDeltaLinear
+from wscompress.sharing import aligned_weights, alignment, ffn_names
 from wscompress.recipe import load_recipe
 
 
@@ -48,14 +49,14 @@ def test_permuting_ffn_neurons_leaves_the_function_unchanged(kind):
     model = tiny_model(kind)
     before = logits(model)
     arch = discover(model)
-    perm = torch.randperm(dims_of(model.get_submodule(ffn_names(arch, 1)["down"]))[0], generator=torch.Generator().manual_seed(0))
+    perm = torch.randperm(dims_of(model.get_submodule(ffn_names(arch, 1, "test")["down"]))[0], generator=torch.Generator().manual_seed(0))
     for role, (w, b) in aligned_weights(arch, 1, perm).items():
         lin = nn.Linear(w.shape[1], w.shape[0], bias=b is not None)
         with torch.no_grad():
             lin.weight.copy_(w)
             if b is not None:
                 lin.bias.copy_(b)
-        set_module(model, ffn_names(arch, 1)[role], lin)
+        set_module(model, ffn_names(arch, 1, "test")[role], lin)
     torch.testing.assert_close(logits(model), before)
 
 
@@ -74,7 +75,7 @@ def test_sampled_activations_align_a_permuted_copy_of_a_layer(tokenizer):
 
     model = tiny_model("llama")
     arch = discover(model)
-    names = [ffn_names(arch, i) for i in (0, 1)]
+    names = [ffn_names(arch, i, "test") for i in (0, 1)]
     perm = torch.randperm(128, generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         arch.layers[1].load_state_dict(arch.layers[0].state_dict())

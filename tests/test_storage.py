@@ -123,7 +123,7 @@ GPT2_STAGES = {
     "kmeans": [{"method": "kmeans", "bits": 3}],
     "kmeans_vector": [{"method": "kmeans", "bits": 4, "cluster_dim": 2, "granularity": "per_tensor"}],
     "soft_share": [{"method": "soft_share", "window": 2, "rank": 4, "starts": [1]}],
-    "cross_layer": [{"method": "cross_layer", "what": "block", "group_size": 2}],
+    "cross_layer": [{"method": "cross_layer", "what": "block", "group_size": 2, "init": "mean", "refit": False}],
     "merge": [{"method": "merge", "n": 2}],
     "merge_drop": [{"method": "merge_drop", "n": 2}],
     "factorize_embeddings": [{"method": "factorize_embeddings", "rank": 16}],

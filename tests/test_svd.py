@@ -125,7 +125,8 @@ def test_svd_after_cross_layer_keeps_the_layers_shared(tmp_path, tokenizer):
     """A module cross_layer shared between layers is factorised once, on the statistics of all
     its uses, and stays one module: the parameter count drops as for a single layer."""
     model = tiny_model("llama")
-    stages = [{"method": "cross_layer", "what": "ffn", "group_size": 2}, {"method": "svd", "ratio": 0.5}]
+    stages = [{"method": "cross_layer", "what": "ffn", "group_size": 2, "init": "mean", "refit": False},
+              {"method": "svd", "ratio": 0.5}]
     wscompress.compress(model, stages, tokenizer, CALIB)
     layers = model.model.layers
     assert isinstance(layers[0].mlp.up_proj, LowRankLinear) and layers[0].mlp.up_proj is layers[1].mlp.up_proj
@@ -144,7 +145,8 @@ def test_shared_module_is_whitened_on_all_its_uses(tokenizer):
     from wscompress import data
 
     model = tiny_model("llama")
-    wscompress.compress(model, [{"method": "cross_layer", "what": "ffn", "group_size": 2}], tokenizer, CALIB)
+    wscompress.compress(model, [{"method": "cross_layer", "what": "ffn", "group_size": 2, "init": "mean", "refit": False}],
+                        tokenizer, CALIB)
     shared = model.model.layers[0].mlp.up_proj
     inputs = []
     hook = shared.register_forward_hook(lambda _m, a, _o: inputs.append(a[0].reshape(-1, a[0].shape[-1]).double()))
@@ -165,7 +167,7 @@ def test_shared_module_is_whitened_on_all_its_uses(tokenizer):
 @pytest.mark.parametrize("method", ["basis_sharing", "soft_share"])
 def test_per_layer_methods_refuse_modules_shared_by_an_earlier_stage(method, tokenizer):
     model = tiny_model("llama")
-    stages = [{"method": "cross_layer", "what": "ffn", "group_size": 2}, {"method": method}]
+    stages = [{"method": "cross_layer", "what": "ffn", "group_size": 2, "init": "mean", "refit": False}, {"method": method}]
     with pytest.raises(UsageError, match="same module as model.layers.0.mlp"):
         wscompress.compress(model, stages, tokenizer, CALIB)
 

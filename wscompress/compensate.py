@@ -96,6 +96,38 @@ class FirstInput:
         return x.reshape(-1, x.shape[-1])
 
 
+@torch.no_grad()
+def module_inputs(layer: nn.Module, inputs: LayerInputs, module: nn.Module, dtype: torch.dtype | None) -> list[torch.Tensor]:
+    """``module``'s input for every batch of ``inputs``, (tokens, d): the layer runs, in
+    ``dtype``, only as far as the module (``FirstInput``)."""
+    reader = FirstInput({"module": module})
+    with computing_in(layer, dtype):
+        return [reader(layer, hidden, args, kwargs) for hidden, (args, kwargs) in zip(inputs.hidden, inputs.calls)]
+
+
+class LeastSquares:
+    """A linear's weight refit by ridge least squares, W̃ = argmin Σ ‖X'·W̃ᵀ − X·Wᵀ‖² + λ‖W̃ − W₀‖²:
+    X' what it reads in the compressed model, X what the original it stands for reads, W that
+    original's weight. The sum runs over batches and, for a weight that several layers share,
+    over those layers, each with its own W. Normal equations in float64; λ = ridge × mean
+    diagonal of X'ᵀX', toward ``prior`` W₀."""
+
+    def __init__(self, prior: torch.Tensor, ridge: float):
+        self.prior, self.ridge = prior.detach().clone(), ridge
+        self.gram: torch.Tensor | None = None
+        self.r: torch.Tensor | None = None
+
+    def add(self, weight: torch.Tensor, x: list[torch.Tensor], x_ref: list[torch.Tensor]) -> None:
+        cross = None
+        for a, b in zip(x, x_ref):
+            self.gram, cross = add_gram(self.gram, a), add_product(cross, b, a)
+        r = weight.detach().double() @ cross.to(weight.device)
+        self.r = r if self.r is None else self.r + r
+
+    def solve(self) -> torch.Tensor:
+        return solve_coefficients(symmetrize(self.gram), self.r, self.ridge, self.prior)
+
+
 class _Saved(Stub):
     """Returns a recorded output instead of computing its module."""
 

@@ -1,6 +1,6 @@
 """Shared machinery of the structural methods (cross_layer, merge, merge_drop, soft_share):
-layer groups, the leaf modules of a layer's sub-blocks, averaging, tying and calibration
-activations.
+layer groups, the leaf modules of a layer's sub-blocks, averaging or fitting shared weights,
+tying, calibration activations and FFN neuron alignment.
 
 Sharing happens at the level of *leaf* modules (the projections and norms that own
 parameters), never the attention module itself: attention modules carry ``layer_idx`` for
@@ -11,19 +11,24 @@ the KV cache, so every layer keeps its own while its projections are one Python 
 from __future__ import annotations
 
 import copy
-from typing import Literal
+from typing import Callable, Literal
 
 import torch
 from pydantic import Field
+from scipy.optimize import linear_sum_assignment
 from torch import nn
 
-from .arch import Arch, get_module, set_module
+from .arch import Arch, get_module, is_linear, set_module, weight_of
 from .calibrate import layerwise, run_layer
 from .errors import UsageError
+from .linalg import solve_coefficients
 from .recipe import StageConfig
 
 Part = Literal["attn", "ffn", "block"]
 FFN_ROLES = ("gate", "up", "down", "gate_up")
+OUTPUT_ROLES = ("gate", "up")  # rows are the FFN's neurons; "down" has them as columns
+Weights = tuple[torch.Tensor, torch.Tensor | None]  # (weight (out, in), bias)
+FIT_RIDGE = 0.1  # shared weights fitted toward the group's mean (the strength the project's other refits use)
 
 
 def check_groups(groups: list[list[int]], num_layers: int, what: str = "groups") -> list[list[int]]:
@@ -131,9 +136,27 @@ def average_modules(modules: list[nn.Module]) -> nn.Module:
     return out
 
 
-def share_group(arch: Arch, group: list[int], part: Part, source: int | Literal["mean"]) -> int:
+@torch.no_grad()
+def fitted_modules(modules: list[nn.Module], grams: list[torch.Tensor]) -> nn.Module:
+    """Like ``average_modules``, but a linear's weight is the one that serves every member best
+    on its own inputs: W = argmin Σ_l ‖X_l·(W − W_l)ᵀ‖² + λ‖W − W̄‖² = (Σ W_l·G_l + λ·W̄)·(Σ G_l + λ·I)⁻¹,
+    G_l = X_lᵀX_l the member's input Gram matrix and W̄ the mean (float64; λ = FIT_RIDGE × mean
+    diagonal). Biases and non-linear modules (norms) are averaged."""
+    out = average_modules(modules)
+    if is_linear(out):
+        a = sum(g.double() for g in grams)
+        r = sum(weight_of(m).detach().double() @ g.double() for m, g in zip(modules, grams))
+        w = weight_of(out)
+        w.copy_(solve_coefficients(a, r, FIT_RIDGE, w).to(w.dtype))
+    return out
+
+
+def share_group(arch: Arch, group: list[int], part: Part, source: int | Literal["mean", "fit"],
+                gram: Callable[[str], torch.Tensor] | None = None) -> int:
     """Make every layer of ``group`` use one set of ``part`` leaf modules (the same objects):
-    layer ``source``'s own, or new ones holding the group's mean. Returns parameters saved."""
+    layer ``source``'s own, new ones holding the group's mean, or (``fit``) the mean for norms
+    and, for linears, the weights fitted to the members' inputs (``fitted_modules``; ``gram``:
+    full module name -> its input Gram matrix). Returns parameters saved."""
     per_layer = [part_leaves(arch, i, part) for i in group]
     keys = [{local(arch, i, n) for n in names} for i, names in zip(group, per_layer)]
     if any(k != keys[0] for k in keys):
@@ -141,7 +164,12 @@ def share_group(arch: Arch, group: list[int], part: Part, source: int | Literal[
     saved = 0
     for key in sorted(keys[0]):
         modules = [get_module(arch.layers[i], key) for i in group]
-        shared = average_modules(modules) if source == "mean" else get_module(arch.layers[source], key)
+        if source == "mean" or source == "fit" and not is_linear(modules[0]):
+            shared = average_modules(modules)
+        elif source == "fit":
+            shared = fitted_modules(modules, [gram(f"{arch.layer_name(i)}.{key}") for i in group])
+        else:
+            shared = get_module(arch.layers[source], key)
         saved += sum(p.numel() for p in shared.parameters()) * (len(group) - 1)
         for i in group:
             set_module(arch.layers[i], key, shared)
@@ -187,3 +215,51 @@ def sample_inputs(model: nn.Module, arch: Arch, batches: list[torch.Tensor], rol
         run_layer(layer, inputs)
         out[i] = sampler.close()[name]
     return out
+
+
+def ffn_names(arch: Arch, i: int, method: str) -> dict[str, str]:
+    """role -> module name of layer i's FFN projections (gate optional), separate as neuron
+    alignment needs them; ``method`` names the caller in the refusal."""
+    roles = {r: n for r, n in arch.projections(i).items() if r in FFN_ROLES}
+    if "gate_up" in roles:
+        raise UsageError(f"layer {i} fuses gate and up projections; {method} needs them separate",
+                         "use cross_layer (init: mean) or merge on this model")
+    if "up" not in roles or "down" not in roles:
+        raise UsageError(f"layer {i} ({type(arch.layers[i]).__name__}) has no FFN (up/down projections)",
+                         f"{method} works on FFN layers: use cross_layer with what: attn on this model")
+    return roles
+
+
+def alignment(ref: torch.Tensor, acts: torch.Tensor) -> torch.Tensor:
+    """Permutation p such that neuron p[k] of ``acts`` best matches neuron k of ``ref``
+    (Hungarian matching of the activation correlations; both (tokens, neurons), row t of
+    both the same token)."""
+    def standardize(z: torch.Tensor) -> torch.Tensor:
+        z = z - z.mean(0)
+        return z / z.norm(dim=0).clamp_min(1e-8)
+
+    corr = standardize(ref).T @ standardize(acts)
+    _, cols = linear_sum_assignment(corr.double().cpu().numpy(), maximize=True)
+    return torch.as_tensor(cols, dtype=torch.long)
+
+
+def aligned_weights(arch: Arch, i: int, perm: torch.Tensor) -> dict[str, Weights]:
+    """role -> (weight (out, in), bias) of layer i's FFN with its neurons reordered by ``perm``:
+    rows of gate/up (and their biases), columns of down. The layer's function is unchanged."""
+    out = {}
+    for role, name in ffn_names(arch, i, "neuron alignment").items():
+        module = get_module(arch.model, name)
+        w, b = weight_of(module).detach(), getattr(module, "bias", None)
+        b, p = None if b is None else b.detach(), perm.to(w.device)
+        out[role] = (w[p], None if b is None else b[p]) if role in OUTPUT_ROLES else (w[:, p], b)
+    return out
+
+
+@torch.no_grad()
+def permute_ffn(arch: Arch, i: int, perm: torch.Tensor) -> None:
+    """Reorder layer i's FFN neurons by ``perm`` in place (``aligned_weights``)."""
+    for role, (w, b) in aligned_weights(arch, i, perm).items():
+        module = get_module(arch.model, ffn_names(arch, i, "neuron alignment")[role])
+        weight_of(module).copy_(w.clone())
+        if b is not None:
+            module.bias.copy_(b.clone())

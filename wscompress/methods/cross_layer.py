@@ -1,24 +1,37 @@
 """ALBERT-style cross-layer sharing: groups of layers use one attention, FFN or whole block.
 
-From a pretrained model the shared weights start from the group's element-wise mean, from a
-chosen representative layer, or from the layer that reconstructs the group best: the one
-whose sub-block, put in place of every group member's, changes the members' outputs on the
-calibration data the least.
+From a pretrained model the shared weights are fitted to the group (``init: fit``), or start
+from the group's element-wise mean, from a chosen representative layer, or from the layer
+that reconstructs the group best (the one whose sub-block, put in place of every member's,
+changes the members' outputs on the calibration data the least).
+
+``fit`` first aligns the members' FFN neurons to the group's first layer (their order is
+arbitrary in each layer: averaging unaligned neurons averages unrelated ones), then solves
+each shared linear's weight for what it computes on every member's own calibration inputs
+(``sharing.fitted_modules``). ``refit`` then takes the layers in order and re-solves the
+shared linears that end a block (o_proj, down_proj) by least squares, so that each member
+reproduces its original block's output on the inputs the shared layers before it feed it.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+import copy
+from typing import Callable, Literal
 
 import torch
 from pydantic import Field, model_validator
+from torch import nn
 
-from ..arch import discover, set_module
+from ..arch import Arch, discover, get_module, is_linear, set_module, weight_of
 from ..calibrate import layerwise, run_layer
+from ..compensate import LeastSquares, module_inputs
 from ..errors import UsageError
 from ..recipe import StageConfig
-from ..sharing import Part, check_groups, consecutive_groups, local, part_leaves, share_group
+from ..sharing import (FIT_RIDGE, Part, alignment, check_groups, consecutive_groups, ffn_names, local,
+                       part_leaves, permute_ffn, sample_inputs, share_group)
 from . import register
+
+ENDS = ("o", "down")  # the roles whose output is their block's output, in forward order
 
 
 class CrossLayerConfig(StageConfig):
@@ -26,9 +39,12 @@ class CrossLayerConfig(StageConfig):
     what: Part = Field("ffn", description="what is shared: attn, ffn or block (all of a layer's weights)")
     group_size: int | None = Field(None, ge=2, description="consecutive groups over the whole model (a remainder stays unshared)")
     groups: list[list[int]] | None = Field(None, description="explicit layer groups, e.g. [[0, 1], [4, 5, 6]]")
-    init: Literal["mean", "representative", "best"] = Field("mean", description="mean of the group, one chosen layer, "
-                                                                                "or the layer with the least calibration error")
+    init: Literal["fit", "mean", "representative", "best"] = Field(
+        "fit", description="fit: FFN neurons aligned, then each shared linear fitted to every member's calibration "
+                           "inputs; mean of the group; one chosen layer; or the layer with the least calibration error")
     representative: int = Field(0, ge=0, description="init representative: position inside each group (0: its first layer)")
+    refit: bool = Field(True, description="re-solve the shared o_proj / down_proj, layer by layer, so that every member "
+                                          "reproduces its original block output on what the shared layers before feed it")
 
     @model_validator(mode="after")
     def _one_grouping(self):
@@ -58,6 +74,73 @@ def group_errors(model, arch, groups: list[list[int]], part: Part, batches) -> d
     return errors
 
 
+def alignable(arch: Arch, groups: list[list[int]], part: Part) -> bool:
+    """Whether the groups' FFN neurons can be aligned: an FFN part with separate projections,
+    each layer's own (a module an earlier stage shares cannot be permuted for one layer)."""
+    if part == "attn":
+        return False
+    roles = [arch.projections(i) for g in groups for i in g]
+    if any("gate_up" in r or "up" not in r or "down" not in r for r in roles):
+        return False
+    modules = [get_module(arch.model, n) for r in roles for role, n in r.items() if role in ("gate", "up", "down")]
+    return len({id(m) for m in modules}) == len(modules)
+
+
+@torch.no_grad()
+def fit_init(model: nn.Module, arch: Arch, groups: list[list[int]], part: Part, ctx) -> tuple[bool, Callable[[str], torch.Tensor]]:
+    """Align the groups' FFN neurons (in place, functions unchanged) and return (aligned, a
+    function: full linear name -> its input Gram matrix, in the aligned order)."""
+    names = [n for g in groups for i in g for n, m in part_leaves(arch, i, part).items() if is_linear(m)]
+    stats = ctx.stats(model, names)
+    perms: dict[str, torch.Tensor] = {}  # down projection -> the order of its input neurons
+    aligned = alignable(arch, groups, part)
+    if aligned:
+        acts = sample_inputs(model, arch, ctx.calibration(), "down")
+        for g in groups:
+            for i in g[1:]:
+                perm = alignment(acts[g[0]], acts[i])
+                permute_ffn(arch, i, perm)
+                perms[ffn_names(arch, i, "cross_layer")["down"]] = perm
+
+    def gram(name: str) -> torch.Tensor:
+        g, p = stats.of(name), perms.get(name)
+        return g if p is None else g[p][:, p]
+    return aligned, gram
+
+
+@torch.no_grad()
+def refit_ends(model: nn.Module, arch: Arch, groups: list[list[int]], originals: dict[int, dict[str, nn.Module]],
+               ctx) -> list[str]:
+    """Re-solve the shared linears ending a block (``ENDS``), layers in order: each member's
+    original module is the target on the same layer input (``compensate.LeastSquares``,
+    summed over the members so far, toward the shared weight it started from). Returns the
+    refit modules' first names."""
+    where = {i for g in groups for i in g}
+    fits: dict[int, LeastSquares] = {}
+    refit: list[str] = []
+    dtype = ctx.dtype(model)
+    for i, layer, inputs in layerwise(model, ctx.calibration(), arch, "cross_layer: refitting shared modules", dtype):
+        if i not in where:
+            continue
+        roles = {r: n for r, n in arch.projections(i).items() if n in originals[i]}
+        for role in (r for r in ENDS if r in roles):
+            name = roles[role]
+            now = {n: get_module(model, n) for n in originals[i]}
+            for n, module in originals[i].items():  # the original layer, for the target
+                set_module(model, n, module)
+            reference = module_inputs(layer, inputs, originals[i][name], dtype)
+            for n, module in now.items():
+                set_module(model, n, module)
+            original, shared = originals[i][name], now[name]
+            if id(shared) not in fits:
+                fits[id(shared)] = LeastSquares(weight_of(shared), FIT_RIDGE)
+                refit.append(name)
+            fits[id(shared)].add(weight_of(original), module_inputs(layer, inputs, shared, dtype), reference)
+            weight = weight_of(shared)
+            weight.copy_(fits[id(shared)].solve().to(weight.dtype))
+    return refit
+
+
 @register(CrossLayerConfig, whole_model=True)
 def apply(model, cfg: CrossLayerConfig, ctx) -> dict:
     arch = discover(model)
@@ -73,14 +156,24 @@ def apply(model, cfg: CrossLayerConfig, ctx) -> dict:
     if cfg.init == "representative" and any(cfg.representative >= len(g) for g in groups):
         raise UsageError(f"representative {cfg.representative} is not a position in every group {groups}",
                          f"use a position below {min(len(g) for g in groups)}")
+    report: dict = {"what": cfg.what, "groups": groups, "init": cfg.init}
+    gram = None
     sources: list[int | str]
-    if cfg.init == "mean":
-        sources = ["mean"] * len(groups)
+    if cfg.init in ("mean", "fit"):
+        sources = [cfg.init] * len(groups)
+        if cfg.init == "fit":
+            report["aligned_ffn_neurons"], gram = fit_init(model, arch, groups, cfg.what, ctx)
     elif cfg.init == "representative":
         sources = [g[cfg.representative] for g in groups]
     else:
         errors = group_errors(model, arch, groups, cfg.what, ctx.calibration())
         sources = [g[min(range(len(g)), key=lambda k: sum(errors[i][k] for i in g))] for g in groups]
-    saved = sum(share_group(arch, g, cfg.what, s) for g, s in zip(groups, sources))
-    return {"what": cfg.what, "groups": groups, "sources": sources, "params_saved": saved,
-            "trains": [n for g in groups for n in part_leaves(arch, g[0], cfg.what)]}  # the shared modules
+    originals = {i: part_leaves(arch, i, cfg.what) for g in groups for i in g}  # each layer's own, for the refit
+    for source in sources:
+        if isinstance(source, int) and cfg.refit:  # its modules become the shared ones the refit changes
+            originals[source] = {n: copy.deepcopy(m) for n, m in originals[source].items()}
+    saved = sum(share_group(arch, g, cfg.what, s, gram) for g, s in zip(groups, sources))
+    report |= {"sources": sources, "params_saved": saved}
+    if cfg.refit:
+        report["refit"] = refit_ends(model, arch, groups, originals, ctx)
+    return report | {"trains": [n for g in groups for n in part_leaves(arch, g[0], cfg.what)]}  # the shared modules

@@ -37,10 +37,9 @@ from pydantic import Field
 from torch import nn
 
 from ..arch import Arch, discover, distinct, get_module, replace_everywhere, require_unshared, weight_of
-from ..calibrate import LayerInputs, computing_in, layerwise
-from ..compensate import FirstInput
+from ..calibrate import layerwise
+from ..compensate import LeastSquares, module_inputs
 from ..errors import UsageError
-from ..linalg import add_gram, add_product, solve_coefficients, symmetrize
 from ..recipe import StageConfig
 from . import register
 
@@ -191,24 +190,13 @@ def set_kv_heads(model: nn.Module, arch: Arch, i: int, groups: int) -> None:
 
 
 @torch.no_grad()
-def contexts(layer: nn.Module, inputs: LayerInputs, o: nn.Module, dtype: torch.dtype | None) -> list[torch.Tensor]:
-    """o's input (the attention's context) for every batch of ``inputs``, (tokens, d): the layer
-    runs, in ``dtype``, only as far as o (``compensate.FirstInput``)."""
-    reader = FirstInput({"o": o})
-    with computing_in(layer, dtype):
-        return [reader(layer, hidden, args, kwargs) for hidden, (args, kwargs) in zip(inputs.hidden, inputs.calls)]
-
-
-@torch.no_grad()
 def refit_o(o: nn.Module, original: nn.Module, merged: list[torch.Tensor], reference: list[torch.Tensor]) -> None:
-    """o's weight W̃ = argmin ‖X'·W̃ᵀ − X·Wᵀ‖² + λ‖W̃ − W₀‖², in place: X' the merged attention's
-    contexts, X the original's on the same layer inputs, W the original o_proj, W₀ o's folded
-    weight; λ = RIDGE · mean diag X'ᵀX'."""
-    gram = cross = None
-    for x, x_ref in zip(merged, reference):
-        gram, cross = add_gram(gram, x), add_product(cross, x_ref, x)
-    w = weight_of(original).double()
-    o.weight.copy_(solve_coefficients(symmetrize(gram), w @ cross.to(w.device), RIDGE, o.weight))
+    """o's weight re-solved in place (``compensate.LeastSquares``, λ = RIDGE, toward the folded
+    weight): ``merged`` the merged attention's contexts, ``reference`` the original's on the
+    same layer inputs, its target the original o_proj."""
+    fit = LeastSquares(o.weight, RIDGE)
+    fit.add(weight_of(original), merged, reference)
+    o.weight.copy_(fit.solve())
 
 
 @register(GQAConfig, whole_model=True)
@@ -249,10 +237,10 @@ def apply(model, cfg: GQAConfig, ctx) -> dict:
         else:  # layer by layer, each o_proj refit on what the merged layers before feed it
             for i, layer, inputs in layerwise(model, ctx.calibration(), arch, "gqa (o_proj refit)", dtype):
                 o = get_module(model, projections[i]["o"])
-                reference = contexts(layer, inputs, o, dtype)  # the original attention's
+                reference = module_inputs(layer, inputs, o, dtype)  # the original attention's
                 kept.append(merge_layer(model, arch, i, stats.of(projections[i]["k"]), cfg.groups, why_not is None))
                 merged = get_module(model, projections[i]["o"])
-                refit_o(merged, o, contexts(layer, inputs, merged, dtype), reference)
+                refit_o(merged, o, module_inputs(layer, inputs, merged, dtype), reference)
         report |= {"refit": cfg.refit, "value_energy_kept": round(sum(v for v, _ in kept) / len(kept), 4),
                    "key_energy_kept": "keys averaged: " + why_not if why_not else round(sum(k for _, k in kept) / len(kept), 4)}
     model.config.num_key_value_heads = cfg.groups

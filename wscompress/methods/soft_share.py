@@ -24,7 +24,6 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from pydantic import Field
-from scipy.optimize import linear_sum_assignment
 from torch import nn
 
 from .. import ui
@@ -36,12 +35,10 @@ from ..offload import offload_of
 from ..modules import CompressedLinear, register_module
 from ..recipe import StageConfig
 from ..calibrate import layerwise, start_at
-from ..sharing import check_groups, sample_inputs
+from ..sharing import OUTPUT_ROLES, Weights, aligned_weights, alignment, check_groups, ffn_names, sample_inputs
 from ..stats import Stats
 from . import register
 
-OUTPUT_ROLES = ("gate", "up")  # rows are the FFN's neurons; "down" has them as columns
-Weights = tuple[torch.Tensor, torch.Tensor | None]  # (weight (out, in), bias)
 
 
 @register_module
@@ -89,42 +86,6 @@ class SoftShareConfig(StageConfig):
     whitening: bool = Field(False, description="true: deltas by whitened SVD on each layer's input Gram (activation-"
                                                "aware); false (default): plain SVD of W_l - W_c. On the protocol the "
                                                "whitened deltas won on the calibration domain and lost on brown.txt")
-
-
-def ffn_names(arch: Arch, i: int) -> dict[str, str]:
-    """role -> module name of layer i's FFN projections (gate optional)."""
-    roles = {r: n for r, n in arch.projections(i).items() if r in ("gate", "up", "down", "gate_up")}
-    if "gate_up" in roles:
-        raise UsageError(f"layer {i} fuses gate and up projections; soft_share needs them separate",
-                         "use cross_layer or merge on this model")
-    if "up" not in roles or "down" not in roles:
-        raise UsageError(f"layer {i} ({type(arch.layers[i]).__name__}) has no FFN (up/down projections)",
-                         "soft_share shares FFN layers: use cross_layer with what: attn on this model")
-    return roles
-
-
-def alignment(ref: torch.Tensor, acts: torch.Tensor) -> torch.Tensor:
-    """Permutation p such that neuron p[k] of ``acts`` best matches neuron k of ``ref``
-    (Hungarian matching of the activation correlations; both (tokens, neurons))."""
-    def standardize(z: torch.Tensor) -> torch.Tensor:
-        z = z - z.mean(0)
-        return z / z.norm(dim=0).clamp_min(1e-8)
-
-    corr = standardize(ref).T @ standardize(acts)
-    _, cols = linear_sum_assignment(corr.double().cpu().numpy(), maximize=True)
-    return torch.as_tensor(cols, dtype=torch.long)
-
-
-def aligned_weights(arch: Arch, i: int, perm: torch.Tensor) -> dict[str, Weights]:
-    """role -> (weight (out, in), bias) of layer i's FFN with its neurons reordered by ``perm``:
-    rows of gate/up (and their biases), columns of down. The layer's function is unchanged."""
-    out = {}
-    for role, name in ffn_names(arch, i).items():
-        module = get_module(arch.model, name)
-        w, b = weight_of(module).detach(), getattr(module, "bias", None)
-        b, p = None if b is None else b.detach(), perm.to(w.device)
-        out[role] = (w[p], None if b is None else b[p]) if role in OUTPUT_ROLES else (w[:, p], b)
-    return out
 
 
 @torch.no_grad()
@@ -176,11 +137,11 @@ class Planner:
         grams = None
         if self.stats is not None:  # the down projection's inputs are the permuted neurons
             grams = [{role: self.stats.of(name) if role in OUTPUT_ROLES else self.stats.of(name)[p][:, p]
-                      for role, name in ffn_names(self.arch, i).items()}
+                      for role, name in ffn_names(self.arch, i, "soft_share").items()}
                      for i in layers for p in [self.perm(start, i)]]
         out = {}
         for i, modules in zip(layers, soft_modules(weights, self.rank, grams)):
-            names = ffn_names(self.arch, i)
+            names = ffn_names(self.arch, i, "soft_share")
             for role, m in modules.items():
                 m.conv1d = isinstance(get_module(self.arch.model, names[role]), Conv1D)
                 out[names[role]] = m
@@ -236,11 +197,11 @@ def apply(model, cfg: SoftShareConfig, ctx) -> dict:
         raise UsageError(f"soft_share: no room for {cfg.num_windows} windows of {cfg.window} layers in {n} layers",
                          "use fewer or smaller windows")
     # refuses a model without FFN layers, or whose FFNs an earlier stage shares, before any work
-    require_unshared(model, [name for i in range(n) for name in ffn_names(arch, i).values()], "soft_share")
+    require_unshared(model, [name for i in range(n) for name in ffn_names(arch, i, "soft_share").values()], "soft_share")
     if cfg.starts is not None:
         check_groups([list(range(s, s + cfg.window)) for s in cfg.starts], n, what="starts")
     batches = ctx.calibration()
-    stats = ctx.stats(model, [name for i in range(n) for name in ffn_names(arch, i).values()]) if cfg.whitening else None
+    stats = ctx.stats(model, [name for i in range(n) for name in ffn_names(arch, i, "soft_share").values()]) if cfg.whitening else None
     planner = Planner(arch, sample_inputs(model, arch, batches, "down", cfg.samples_per_batch), cfg.rank, stats)
     scores: dict[int, float] = {}
     if cfg.starts is not None:
