@@ -11,7 +11,7 @@ the KV cache, so every layer keeps its own while its projections are one Python 
 from __future__ import annotations
 
 import copy
-from typing import Callable, Literal
+from typing import Callable, Collection, Literal
 
 import torch
 from pydantic import Field
@@ -200,20 +200,26 @@ class ActivationSampler:
 
 
 @torch.no_grad()
-def sample_inputs(model: nn.Module, arch: Arch, batches: list[torch.Tensor], role: str,
-                  rows_per_batch: int = 256) -> dict[int, torch.Tensor]:
+def sample_inputs(model: nn.Module, arch: Arch, batches: list[torch.Tensor], role: str, rows_per_batch: int = 256,
+                  layers: Collection[int] | None = None) -> dict[int, torch.Tensor]:
     """Layer index -> (tokens, features) sample of the inputs of each layer's ``role``
-    projection (e.g. 'down': the FFN's intermediate activations), layer by layer. Every layer
-    keeps the same token positions, so row t of two layers' samples is one token: neuron
-    alignment correlates them row by row."""
+    projection (e.g. 'down': the FFN's intermediate activations), layer by layer, for every
+    layer or those of ``layers`` (the pass ends after the last). Every layer keeps the same
+    token positions, so row t of two layers' samples is one token: neuron alignment
+    correlates them row by row."""
     out = {}
+    last = arch.num_layers - 1 if layers is None else max(layers)
     for i, layer, inputs in layerwise(model, batches, arch, label=f"sampling {role} inputs"):
-        name = arch.projections(i).get(role)
-        if name is None:
-            raise UsageError(f"layer {i} has no {role} projection", "this method needs FFN layers (gate/up/down projections)")
-        sampler = ActivationSampler({name: get_module(model, name)}, rows_per_batch)
-        run_layer(layer, inputs)
-        out[i] = sampler.close()[name]
+        if layers is None or i in layers:
+            name = arch.projections(i).get(role)
+            if name is None:
+                raise UsageError(f"layer {i} has no {role} projection",
+                                 "this method needs FFN layers (gate/up/down projections)")
+            sampler = ActivationSampler({name: get_module(model, name)}, rows_per_batch)
+            inputs.outputs = run_layer(layer, inputs)  # the next layer's inputs too: the layer runs once
+            out[i] = sampler.close()[name]
+        if i == last:
+            break
     return out
 
 

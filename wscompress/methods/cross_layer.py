@@ -95,7 +95,7 @@ def fit_init(model: nn.Module, arch: Arch, groups: list[list[int]], part: Part, 
     perms: dict[str, torch.Tensor] = {}  # down projection -> the order of its input neurons
     aligned = alignable(arch, groups, part)
     if aligned:
-        acts = sample_inputs(model, arch, ctx.calibration(), "down")
+        acts = sample_inputs(model, arch, ctx.calibration(), "down", layers=[i for g in groups for i in g])
         for g in groups:
             for i in g[1:]:
                 perm = alignment(acts[g[0]], acts[i])
@@ -120,6 +120,8 @@ def refit_ends(model: nn.Module, arch: Arch, groups: list[list[int]], originals:
     refit: list[str] = []
     dtype = ctx.dtype(model)
     for i, layer, inputs in layerwise(model, ctx.calibration(), arch, "cross_layer: refitting shared modules", dtype):
+        if i > max(where):
+            break
         if i not in where:
             continue
         roles = {r: n for r, n in arch.projections(i).items() if n in originals[i]}
