@@ -64,19 +64,23 @@ CLUSTERING = {  # label -> stage; the bits are filled in per column
     "kmeans (default: + refit)": {"method": "kmeans"},
 }
 COMBINED = {  # label -> stages, at fixed settings: low-rank factors palettized in turn; soft sharing
-    "soft_share (defaults: window 4, rank 16, plain-SVD deltas)": [{"method": "soft_share"}],
-    "soft_share, whitened deltas": [{"method": "soft_share", "whitening": True}],
+    "soft_share, plain-SVD deltas": [{"method": "soft_share", "whitening": False}],
+    "soft_share (defaults: window 4, rank 16, whitened deltas)": [{"method": "soft_share"}],
     "basis_sharing g2 20 % + kmeans 4-bit": [{"method": "basis_sharing", "group_size": 2, "ratio": 0.2, "refit": False},
                                             {"method": "kmeans", "bits": 4}],
     "basis_sharing g2 20 % + kmeans 3-bit": [{"method": "basis_sharing", "group_size": 2, "ratio": 0.2, "refit": False},
                                             {"method": "kmeans", "bits": 3}],
-    "cross_layer FFN, layers 3-6 share one, init: mean (ALBERT-style; merge)":
-        [{"method": "cross_layer", "groups": [[3, 4, 5, 6]], "init": "mean", "refit": False}],
-    "cross_layer FFN, layers 3-6 share one, init: mean + refit": [{"method": "cross_layer", "groups": [[3, 4, 5, 6]],
-                                                                  "init": "mean"}],
-    "cross_layer FFN, layers 3-6 share one, init: fit, refit: false": [{"method": "cross_layer", "groups": [[3, 4, 5, 6]],
-                                                                       "refit": False}],
-    "cross_layer FFN, layers 3-6 share one (default: init: fit + refit)": [{"method": "cross_layer", "groups": [[3, 4, 5, 6]]}],
+    "cross_layer FFN, layers 13-16 share one, init: mean (ALBERT-style; merge)":
+        [{"method": "cross_layer", "groups": [[13, 14, 15, 16]], "init": "mean", "refit": False}],
+    "cross_layer FFN, layers 13-16 share one, init: fit, refit: false":
+        [{"method": "cross_layer", "groups": [[13, 14, 15, 16]], "refit": False}],
+    "cross_layer FFN, layers 13-16 share one (default: init: fit + refit)":
+        [{"method": "cross_layer", "groups": [[13, 14, 15, 16]]}],
+    "cross_layer attention, layers 13-16 share one, init: mean": [{"method": "cross_layer", "what": "attn",
+                                                                   "groups": [[13, 14, 15, 16]], "init": "mean",
+                                                                   "refit": False}],
+    "cross_layer attention, layers 13-16 share one (default: init: fit + refit)":
+        [{"method": "cross_layer", "what": "attn", "groups": [[13, 14, 15, 16]]}],
     "cross_layer FFN, every pair of layers, init: best": [{"method": "cross_layer", "group_size": 2, "init": "best",
                                                           "refit": False}],
     "cross_layer FFN, every pair of layers (default: init: fit + refit)": [{"method": "cross_layer", "group_size": 2}],

@@ -38,7 +38,8 @@ WIKI = REPO.parent / "shared" / "data"
 # (soft_share deltas, embedding factors); models with plain shared/merged modules train `full`
 CONFIGS = {
     "original": ([], "full", 5e-5),
-    "cross_layer_ffn_g2": ([{"method": "cross_layer", "what": "ffn", "group_size": 2, "init": "best"}], "full", 5e-5),
+    "cross_layer_ffn_g2": ([{"method": "cross_layer", "what": "ffn", "group_size": 2, "init": "best", "refit": False}],
+                           "full", 5e-5),
     "merge_drop_n2": ([{"method": "merge_drop", "n": 2}], "full", 5e-5),
     "merge_drop_n4": ([{"method": "merge_drop", "n": 4}], "full", 5e-5),
     "soft_share_w4_r8": ([{"method": "soft_share", "window": 4, "rank": 8, "search_stride": 3}], "method", 1e-3),

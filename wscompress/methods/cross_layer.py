@@ -87,7 +87,8 @@ def alignable(arch: Arch, groups: list[list[int]], part: Part) -> bool:
 
 
 @torch.no_grad()
-def fit_init(model: nn.Module, arch: Arch, groups: list[list[int]], part: Part, ctx) -> tuple[bool, Callable[[str], torch.Tensor]]:
+def fit_init(model: nn.Module, arch: Arch, groups: list[list[int]], part: Part,
+             ctx) -> tuple[bool, Callable[[str], torch.Tensor]]:
     """Align the groups' FFN neurons (in place, functions unchanged) and return (aligned, a
     function: full linear name -> its input Gram matrix, in the aligned order)."""
     names = [n for g in groups for i in g for n, m in part_leaves(arch, i, part).items() if is_linear(m)]
