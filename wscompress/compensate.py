@@ -245,7 +245,7 @@ class _Ends:
 
 
 @contextmanager
-def _originals(model: nn.Module, originals: dict[str, nn.Module], new: dict[str, nn.Module]) -> Iterator[None]:
+def originals_in(model: nn.Module, originals: dict[str, nn.Module], new: dict[str, nn.Module]) -> Iterator[None]:
     """The layer with its original modules back in place, for a reference forward."""
     for n, module in originals.items():
         set_module(model, n, module)
@@ -380,7 +380,7 @@ def fit_pass(model: nn.Module, arch: Arch, batches: list[torch.Tensor], build: C
                     x = first(layer, hidden, args, kwargs)
                 x_ref = None
                 if not same:
-                    with _originals(model, originals, new), replays("original", b, pending), ends_ref(b), \
+                    with originals_in(model, originals, new), replays("original", b, pending), ends_ref(b), \
                             computing_in(layer, dtype):
                         x_ref = ref(layer, ref_inputs.hidden[b], args, kwargs)
                 if fit is None:
@@ -402,5 +402,5 @@ def fit_pass(model: nn.Module, arch: Arch, batches: list[torch.Tensor], build: C
         with computing_in(layer, dtype):
             inputs.outputs = run_layer(layer, inputs, lambda b: replays("compressed", b, (), record=False))
         if target == "model":
-            with _originals(model, originals, new), computing_in(layer, dtype):
+            with originals_in(model, originals, new), computing_in(layer, dtype):
                 reference = run_layer(layer, ref_inputs, lambda b: replays("original", b, (), record=False))

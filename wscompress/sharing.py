@@ -264,8 +264,9 @@ def aligned_weights(arch: Arch, i: int, perm: torch.Tensor) -> dict[str, Weights
 @torch.no_grad()
 def permute_ffn(arch: Arch, i: int, perm: torch.Tensor) -> None:
     """Reorder layer i's FFN neurons by ``perm`` in place (``aligned_weights``)."""
+    names = ffn_names(arch, i, "neuron alignment")
     for role, (w, b) in aligned_weights(arch, i, perm).items():
-        module = get_module(arch.model, ffn_names(arch, i, "neuron alignment")[role])
+        module = get_module(arch.model, names[role])
         weight_of(module).copy_(w.clone())
         if b is not None:
             module.bias.copy_(b.clone())

@@ -22,9 +22,9 @@ import torch
 from pydantic import Field, model_validator
 from torch import nn
 
-from ..arch import Arch, discover, get_module, is_linear, set_module, weight_of
+from ..arch import Arch, discover, distinct, get_module, is_linear, set_module, weight_of
 from ..calibrate import layerwise, run_layer
-from ..compensate import LeastSquares, module_inputs
+from ..compensate import LeastSquares, module_inputs, originals_in
 from ..errors import UsageError
 from ..recipe import StageConfig
 from ..sharing import (FIT_RIDGE, Part, alignment, check_groups, consecutive_groups, ffn_names, local,
@@ -82,8 +82,8 @@ def alignable(arch: Arch, groups: list[list[int]], part: Part) -> bool:
     roles = [arch.projections(i) for g in groups for i in g]
     if any("gate_up" in r or "up" not in r or "down" not in r for r in roles):
         return False
-    modules = [get_module(arch.model, n) for r in roles for role, n in r.items() if role in ("gate", "up", "down")]
-    return len({id(m) for m in modules}) == len(modules)
+    names = [n for r in roles for role, n in r.items() if role in ("gate", "up", "down")]
+    return len(distinct(arch.model, names)) == len(names)
 
 
 @torch.no_grad()
@@ -117,23 +117,19 @@ def refit_ends(model: nn.Module, arch: Arch, groups: list[list[int]], originals:
     summed over the members so far, toward the shared weight it started from). Returns the
     refit modules' first names."""
     where = {i for g in groups for i in g}
+    last = max(where)
     fits: dict[int, LeastSquares] = {}
     refit: list[str] = []
     dtype = ctx.dtype(model)
     for i, layer, inputs in layerwise(model, ctx.calibration(), arch, "cross_layer: refitting shared modules", dtype):
-        if i > max(where):
-            break
         if i not in where:
             continue
         roles = {r: n for r, n in arch.projections(i).items() if n in originals[i]}
         for role in (r for r in ENDS if r in roles):
             name = roles[role]
             now = {n: get_module(model, n) for n in originals[i]}
-            for n, module in originals[i].items():  # the original layer, for the target
-                set_module(model, n, module)
-            reference = module_inputs(layer, inputs, originals[i][name], dtype)
-            for n, module in now.items():
-                set_module(model, n, module)
+            with originals_in(model, originals[i], now):  # the original layer, for the target
+                reference = module_inputs(layer, inputs, originals[i][name], dtype)
             original, shared = originals[i][name], now[name]
             if id(shared) not in fits:
                 fits[id(shared)] = LeastSquares(weight_of(shared), FIT_RIDGE)
@@ -141,6 +137,8 @@ def refit_ends(model: nn.Module, arch: Arch, groups: list[list[int]], originals:
             fits[id(shared)].add(weight_of(original), module_inputs(layer, inputs, shared, dtype), reference)
             weight = weight_of(shared)
             weight.copy_(fits[id(shared)].solve().to(weight.dtype))
+        if i == last:
+            break  # the layers after the groups need no outputs
     return refit
 
 

@@ -196,12 +196,11 @@ def apply(model, cfg: SoftShareConfig, ctx) -> dict:
         raise UsageError(f"soft_share: no room for {cfg.num_windows} windows of {cfg.window} layers in {n} layers",
                          "use fewer or smaller windows")
     # refuses a model without FFN layers, or whose FFNs an earlier stage shares, before any work
-    require_unshared(model, [name for i in range(n) for name in ffn_names(arch, i, "soft_share").values()],
-                     "soft_share")
+    names = [name for i in range(n) for name in ffn_names(arch, i, "soft_share").values()]
+    require_unshared(model, names, "soft_share")
     if cfg.starts is not None:
         check_groups([list(range(s, s + cfg.window)) for s in cfg.starts], n, what="starts")
     batches = ctx.calibration()
-    names = [name for i in range(n) for name in ffn_names(arch, i, "soft_share").values()]
     stats = ctx.stats(model, names) if cfg.whitening else None
     planner = Planner(arch, sample_inputs(model, arch, batches, "down", cfg.samples_per_batch), cfg.rank, stats)
     scores: dict[int, float] = {}
