@@ -77,3 +77,24 @@ def test_eval_over_two_processes_equals_one(tmp_path, tiny_dir):
         reports[n] = json.loads((tmp_path / f"eval{n}" / "reports" / "eval.json").read_text())["results"][0]
     assert reports[2]["tokens"] == reports[1]["tokens"]
     assert reports[2]["ppl"] == pytest.approx(reports[1]["ppl"], rel=1e-6)
+
+
+@pytest.mark.parametrize("gpus, processes, auto, cuda", [
+    (0, 1, "cpu", "no CUDA device"), (1, 1, "cuda:0", "cuda:0"), (2, 2, "cuda:1", "cuda:1"),
+    (1, 2, "cpu", "torchrun --nproc_per_node 1")])
+def test_each_process_takes_its_own_gpu_or_the_cpu(monkeypatch, gpus, processes, auto, cuda):
+    """A launch with more processes on a machine than GPUs runs `auto` on the CPU (rank 1 asked
+    for a second GPU that a one-GPU machine does not have) and refuses an explicit `cuda`."""
+    from wscompress.errors import UsageError
+    from wscompress.model import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(processes))
+    monkeypatch.setenv("LOCAL_RANK", str(processes - 1))
+    assert str(resolve_device("auto")) == auto
+    if cuda.startswith("cuda:"):
+        assert str(resolve_device("cuda")) == cuda
+    else:
+        with pytest.raises(UsageError, match=cuda):
+            resolve_device("cuda")

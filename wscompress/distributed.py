@@ -23,12 +23,32 @@ def launched() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
+def local_rank() -> int:
+    """This process's index on its machine (0 in a plain process)."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def local_processes() -> int:
+    """How many processes of the launch run on this machine (1 in a plain process)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def gpu_per_process() -> bool:
+    """Whether every process on this machine can have a GPU of its own (in a plain process:
+    whether there is a GPU). The same answer in every process, so all choose one backend."""
+    return torch.cuda.is_available() and torch.cuda.device_count() >= local_processes()
+
+
 def init() -> None:
-    """Join the launcher's process group (once); each process takes its own GPU."""
+    """Join the launcher's process group (once); each process takes its own GPU where there
+    are enough. Collectives on CPU tensors (``model.device: cpu`` on a GPU machine) go
+    through gloo, on CUDA tensors through NCCL."""
     if launched() and not dist.is_initialized():
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        if gpu_per_process():
+            torch.cuda.set_device(local_rank())
+            dist.init_process_group("cpu:gloo,cuda:nccl")
+        else:
+            dist.init_process_group("gloo")
 
 
 def world() -> tuple[int, int]:

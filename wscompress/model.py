@@ -15,7 +15,7 @@ import torch
 from safetensors import SafetensorError
 from torch import nn
 
-from . import offload
+from . import distributed, offload
 from .errors import UsageError
 from .recipe import ModelConfig
 
@@ -66,13 +66,19 @@ def builtin_dir(name: str) -> Path:
 
 
 def resolve_device(device: str) -> torch.device:
-    """The recipe's device; under a launcher, ``auto``/``cuda`` mean this process's own GPU."""
-    if device in ("auto", "cuda") and torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    """The recipe's device; under a launcher, ``auto``/``cuda`` mean this process's own GPU
+    (``auto``: the CPU when the launch has more processes on this machine than GPUs)."""
+    if device in ("auto", "cuda") and distributed.gpu_per_process():
+        return torch.device("cuda", distributed.local_rank())
     if device == "auto":
         return torch.device("cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise UsageError(f"model.device is {device!r} but no CUDA device is available", "set model.device: auto or cpu")
+    if device.startswith("cuda") and not distributed.gpu_per_process():
+        gpus, processes = torch.cuda.device_count(), distributed.local_processes()
+        raise UsageError(f"model.device is {device!r} but the launch runs {processes} processes on this machine and "
+                         f"only {gpus} GPU{' is' if gpus == 1 else 's are'} visible",
+                         f"start one process per GPU (torchrun --nproc_per_node {gpus}) or set model.device: cpu")
     return torch.device(device)
 
 
