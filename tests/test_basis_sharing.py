@@ -106,7 +106,7 @@ def test_save_reload_stores_each_basis_once(tmp_path, tokenizer):
     manifest = json.loads((tmp_path / "m" / storage.MANIFEST).read_text())
     assert manifest["module_aliases"]["model.layers.1.self_attn.q_proj.basis"] == "model.layers.0.self_attn.q_proj.basis"
 
-    loaded, _ = wscompress.load(tmp_path / "m")
+    loaded, _ = wscompress.load(tmp_path / "m", device="cpu")
     assert layer(loaded, 0).self_attn.q_proj.basis is layer(loaded, 1).self_attn.q_proj.basis
     assert isinstance(layer(loaded, 3).mlp.gate_proj, SharedBasisLinear)
     torch.testing.assert_close(logits(loaded), out)
@@ -320,7 +320,7 @@ def test_smollm2_basis_sharing_end_to_end(smollm2, tmp_path):
     assert base < ppl < 20 * base  # 2k calibration tokens only; plain SVD at 20 % is above 1e6
     saved = storage.save(model, tok, tmp_path / "m")
     assert abs(saved["file_bytes"] - 4 * saved["params"]) < 0.001 * saved["file_bytes"]
-    loaded, _ = wscompress.load(tmp_path / "m")
+    loaded, _ = wscompress.load(tmp_path / "m", device="cpu")
     with torch.no_grad():
         torch.testing.assert_close(loaded(input_ids=ids[None, :64]).logits, model(input_ids=ids[None, :64]).logits)
 

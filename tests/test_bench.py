@@ -15,7 +15,7 @@ def test_bench_compares_original_and_compressed(tmp_path, tiny_dir, tokenizer):
     model = tiny_model("llama")
     compress(model, [{"method": "svd", "ratio": 0.5, "whitening": False, "targets": ["mlp"]}])
     saved = storage.save(model, tokenizer, tmp_path / "run" / "model")
-    r = load_recipe(data={"model": {"path": str(original)}, "output": {"dir": str(tmp_path / "run")},
+    r = load_recipe(data={"model": {"path": str(original), "device": "cpu"}, "output": {"dir": str(tmp_path / "run")},
                           "bench": {"batch_sizes": [1, 2], "seq_lens": [16], "decode_tokens": 2, "warmup": 0, "repeats": 1}})
     out = bench.step_bench(r)
     rows = {row["measure"]: row for row in out["table"]}

@@ -225,7 +225,8 @@ def test_triton_lut_kernel_equals_the_reference_path():
     from pathlib import Path
 
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(Path(__file__).parent)}
+    path = os.pathsep.join(p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
     run = subprocess.run([sys.executable, "-c", INTERPRETED], capture_output=True, text=True, env=env)
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-3000:]
 

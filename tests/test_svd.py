@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import wscompress
-from conftest import tiny_model
-from wscompress import storage
+from conftest import WIKI_TEST, tiny_model
+from wscompress import data, storage
 from wscompress.errors import UsageError
 from wscompress.linalg import low_rank, rank_for_ratio, refit_coefficients, whitening
 from wscompress.methods.svd import LowRankLinear
@@ -77,7 +77,9 @@ def test_full_rank_is_exact(kind, whitening_, tokenizer):
 
 
 def test_ratio_sets_parameters_and_whitening_helps(tokenizer):
-    ids = torch.randint(0, 512, (4, 64), generator=torch.Generator().manual_seed(2))
+    # whitening lowers the error on inputs like the calibration text; on random token ids it
+    # helped 24 % under Python 3.11 and not at all under 3.12 (other docs, another tokenizer)
+    ids = data.tokenize(tokenizer, WIKI_TEST, max_tokens=4 * 64)[: 4 * 64].view(4, 64)
     base = tiny_model("llama_mha")
     errors = {}
     for whiten in (True, False):
@@ -134,7 +136,7 @@ def test_svd_after_cross_layer_keeps_the_layers_shared(tmp_path, tokenizer):
     before = logits(model)
     saved = storage.save(model, tokenizer, tmp_path / "m")
     assert saved["params"] == storage.stats(model)["params"]
-    loaded, _ = wscompress.load(tmp_path / "m")
+    loaded, _ = wscompress.load(tmp_path / "m", device="cpu")
     assert loaded.model.layers[0].mlp.up_proj is loaded.model.layers[1].mlp.up_proj
     torch.testing.assert_close(logits(loaded), before)
 

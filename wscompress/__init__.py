@@ -3,12 +3,13 @@
 __version__ = "0.1.0"
 
 
-def load(path: str, dtype=None):
-    """Load a checkpoint written by ``wscompress compress`` (or any HF folder): (model, tokenizer)."""
+def load(path: str, dtype=None, device: str = "auto"):
+    """Load a checkpoint written by ``wscompress compress`` (or any HF folder): (model, tokenizer),
+    on ``device`` (auto: the GPU where there is one, as in recipes)."""
     from .model import load_model
     from .recipe import ModelConfig
 
-    return load_model(ModelConfig(path=str(path), dtype="auto" if dtype is None else dtype))
+    return load_model(ModelConfig(path=str(path), dtype="auto" if dtype is None else dtype, device=device))
 
 
 def compress(model, stages: list, tokenizer=None, calibration: dict | None = None) -> list[dict]:
