@@ -199,6 +199,7 @@ def step_finetune(recipe: Recipe, resume: bool = False) -> dict:
         return out
     out["saved"] = storage.save(model, tokenizer, model_path(recipe), {"recipe": recipe_dict(recipe), "finetune": out},
                                 recipe.output.max_shard_size)
+    out["peak_memory_mb"] = round(report.peak_memory_mb(), 1)
     report.write(recipe.out, "finetune", out, recipe_dict(recipe))
     return out
 
@@ -242,7 +243,7 @@ def step_eval(recipe: Recipe, path: str | None = None) -> dict:
     rows = [{"model": label, "source": data.source_label(src),
              **{k: r["perplexity"][src][k] for k in ("ppl", "tokens", "bos", "tokens_per_s")},
              "params": r["params"]} for label, r in results.items() for src in r["perplexity"]]
-    out = {"results": rows, "details": results}
+    out = {"results": rows, "details": results, "peak_memory_mb": round(report.peak_memory_mb(), 1)}
     tasks = [{"model": label, "task": task, **metrics} for label, r in results.items() for task, metrics in r.get("tasks", {}).items()]
     # one row per prompt, models side by side; whitespace folded for the Markdown table (raw text in details)
     samples = [{"prompt": s["prompt"], **{label: " ".join(r["samples"][i]["completion"].split()) for label, r in results.items()}}
