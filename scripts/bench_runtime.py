@@ -1,6 +1,9 @@
-"""Run-time speed of compressed SmolLM2 models on CPU: decode and prefill, batch 1 and 8, one and
-two threads, dense fp32 vs palettized (kmeans 2/3/4 bits per channel, 4 bits grouped) vs
-low-rank (svd 20 / 40 %), with the memory-bandwidth bound for decode as a column.
+"""Run-time speed of compressed SmolLM2 models: decode and prefill, batch 1 and 8, dense vs
+palettized (kmeans 2/3/4 bits per channel, 4 bits grouped) vs low-rank (svd 20 / 40 %), with the
+memory-bandwidth bound for decode as a column. On CPU (default) in float32 with one and two
+threads; with ``--device cuda`` in float16 (the dense baseline is then fp16), timed with CUDA
+events, plus ``--layers``: one decode-sized product on LLaMA-7B-sized layers, where the weight
+bytes, not kernel launches, set the time.
 
 The models are built in this process (data-free options: the speed does not depend on the
 quality), take turns in every round, and each figure is the best of ``--rounds``. The decode
@@ -8,7 +11,8 @@ bound is resident weight bytes / measured copy bandwidth (every weight is read o
 decoded token at batch 1), so ``of bound`` says how close a path comes to the memory limit.
 
 Writes outputs/bench_runtime/results.{json,md} and prints the table.
-Usage: python scripts/bench_runtime.py [--threads 1 2] [--rounds 5] [--models dense kmeans-4 ...]
+Usage: python scripts/bench_runtime.py [--threads 1 2] [--rounds 5] [--models "dense" "kmeans 4-bit per channel" ...]
+       python scripts/bench_runtime.py --device cuda [--layers]
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 PLAIN = {"method": "kmeans", "sensitivity": "none", "error_feedback": False, "refit": False, "outliers": 0,
          "codebook_dtype": "float32"}
 MODELS = {  # label -> compress stages (empty: the dense model)
-    "dense fp32": [],
+    "dense": [],
     "kmeans 4-bit per channel": [{**PLAIN, "bits": 4}],
     "kmeans 4-bit + 0.25 % outliers": [{**PLAIN, "bits": 4, "outliers": 0.0025}],
     "kmeans 4-bit + tied embedding/head": [{**PLAIN, "bits": 4, "targets": [r"model\.layers\.", "lm_head"]}],
@@ -43,32 +47,77 @@ MODELS = {  # label -> compress stages (empty: the dense model)
 }
 
 
-def copy_bandwidth(threads: int, mb: int = 512) -> float:
+def clock(device: torch.device) -> float:
+    """perf_counter once the device's queued work is done (CUDA runs asynchronously)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def copy_bandwidth(device: torch.device, threads: int, mb: int = 512) -> float:
     """Bytes per second moved by a large tensor copy (read + write) with ``threads`` threads."""
     torch.set_num_threads(threads)
-    src, dst = torch.ones(mb * 2**18), torch.empty(mb * 2**18)
+    src, dst = torch.ones(mb * 2**18, device=device), torch.empty(mb * 2**18, device=device)
     best = float("inf")
     for _ in range(5):
-        start = time.perf_counter()
+        start = clock(device)
         dst.copy_(src)
-        best = min(best, time.perf_counter() - start)
+        best = min(best, clock(device) - start)
     return 2 * src.numel() * 4 / best
 
 
 @torch.inference_mode()
 def timings(model, batch: int, prompt: int, decode: int) -> dict[str, float]:
     """Seconds of one prefill of ``prompt`` tokens (no cache) and of ``decode`` greedy steps after it."""
-    x = torch.randint(0, model.config.vocab_size, (batch, prompt), generator=torch.Generator().manual_seed(0))
-    start = time.perf_counter()
+    device = model.device
+    x = torch.randint(0, model.config.vocab_size, (batch, prompt), generator=torch.Generator().manual_seed(0)).to(device)
+    start = clock(device)
     model(input_ids=x, use_cache=False)
-    prefill = time.perf_counter() - start
+    prefill = clock(device) - start
     out = model(input_ids=x[:, :32], use_cache=True)
     past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
-    start = time.perf_counter()
+    start = clock(device)
     for _ in range(decode):
         out = model(input_ids=token, past_key_values=past, use_cache=True)
         past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
-    return {"prefill": prefill, "decode": time.perf_counter() - start}
+    return {"prefill": prefill, "decode": clock(device) - start}
+
+
+LAYER_SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008)]  # (out, in) of LLaMA-7B's q/o, gate/up, down
+
+
+@torch.no_grad()  # not inference mode: the layers cache their kernel layout by tensor version
+def layer_rows(device: torch.device, dtype: torch.dtype, bandwidth: float) -> list[dict]:
+    """One decode-sized product (batch 1) per call on 7B-sized layers: dense vs palettized per
+    channel, microseconds per call (best of 5 runs of ``calls``) and the weight bytes' bound."""
+    from wscompress.methods.kmeans import PalettizedLinear
+
+    gen = torch.Generator().manual_seed(0)
+    calls = 200 if device.type == "cuda" else 5  # a GPU call takes microseconds: time many
+    rows = []
+    for out_f, in_f in LAYER_SHAPES:
+        dense = torch.nn.Linear(in_f, out_f, bias=False).to(device, dtype)
+        layers = {"dense": dense}
+        for bits in (4, 3, 2):
+            codebook = torch.randn(out_f, 2**bits, 1, generator=gen)
+            idx = torch.randint(0, 2**bits, (out_f, in_f), generator=gen)
+            layers[f"kmeans {bits}-bit per channel"] = PalettizedLinear.from_clusters(codebook, idx, None).to(device, dtype)
+        x = torch.randn(1, in_f, device=device, dtype=dtype)
+        for label, layer in layers.items():
+            layer(x)  # builds the kernel layout (and compiles / tunes the kernel) before timing
+            best = float("inf")
+            for _ in range(5):
+                start = clock(device)
+                for _ in range(calls):
+                    layer(x)
+                best = min(best, (clock(device) - start) / calls)
+            weight = storage.resident_bytes(layer)
+            rows.append({"layer (out x in)": f"{out_f} x {in_f}", "model": label, "weight MB": round(weight / 2**20, 2),
+                         "us per call": round(best * 1e6, 1), "x dense": None, "bound us": round(weight / bandwidth * 1e6, 1),
+                         "of bound": f"{weight / bandwidth / best:.0%}"})
+        for row in rows[-len(layers):]:
+            row["x dense"] = round(rows[-len(layers)]["us per call"] / row["us per call"], 2)
+    return rows
 
 
 def markdown(rows: list[dict], cols: list[str]) -> str:
@@ -85,10 +134,15 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--prefill", type=int, default=128, help="prompt tokens timed without a cache")
     ap.add_argument("--decode", type=int, default=16, help="tokens decoded after a 32-token prompt")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda (float16, CUDA timing; threads do not apply)")
+    ap.add_argument("--layers", action="store_true", help="also time single products on LLaMA-7B-sized layers")
     ap.add_argument("--out", type=Path, default=REPO / "outputs" / "bench_runtime")
     args = ap.parse_args()
+    device = torch.device(args.device)
+    dtype = torch.float16 if device.type == "cuda" else torch.float32
+    threads_list = args.threads if device.type == "cpu" else [torch.get_num_threads()]
 
-    recipe = load_recipe(data={"model": {"path": "builtin:smollm2-135m-instruct"}})
+    recipe = load_recipe(data={"model": {"path": "builtin:smollm2-135m-instruct", "device": args.device}})
     original, tok = load_model(recipe.model)
     models = {}
     for label in args.models:
@@ -97,14 +151,15 @@ def main() -> None:
             run = recipe.model_copy()
             run.compress = load_recipe(data={"compress": MODELS[label]}).compress
             apply_stages(model, tok, run)
-        models[label] = model.eval()
+        models[label] = model.to(dtype).eval()
+    del original
     for m in models.values():  # prepare kernel layouts before counting what stays resident
         timings(m, 1, 8, 1)
     resident = {label: storage.resident_bytes(m) for label, m in models.items()}
 
     rows = []
-    for threads in args.threads:
-        bandwidth = copy_bandwidth(threads)
+    for threads in threads_list:
+        bandwidth = copy_bandwidth(device, threads)
         torch.set_num_threads(threads)
         for batch in args.batches:
             best = {label: {"prefill": float("inf"), "decode": float("inf")} for label in models}
@@ -113,11 +168,11 @@ def main() -> None:
                     t = timings(model, batch, args.prefill, args.decode)
                     if round_:
                         best[label] = {k: min(best[label][k], t[k]) for k in t}
-            dense = best.get("dense fp32")
+            dense = best.get("dense")
             for label in models:
                 decode_tps = batch * args.decode / best[label]["decode"]
                 prefill_tps = batch * args.prefill / best[label]["prefill"]
-                row = {"threads": threads, "batch": batch, "model": label, "resident MB": round(resident[label] / 2**20, 1),
+                row = {"threads": threads if device.type == "cpu" else "-", "batch": batch, "model": label, "resident MB": round(resident[label] / 2**20, 1),
                        "decode tok/s": round(decode_tps, 1), "prefill tok/s": round(prefill_tps, 1)}
                 if dense is not None:
                     row["decode x dense"] = round(dense["decode"] / best[label]["decode"], 2)
@@ -131,11 +186,18 @@ def main() -> None:
     paths = {label: kernel_path(m) for label, m in models.items()}
     cols = ["threads", "batch", "model", "resident MB", "decode tok/s", "decode x dense", "decode bound tok/s", "of bound",
             "prefill tok/s", "prefill x dense"]
-    md = "\n\n".join([f"SmolLM2-135M-Instruct on CPU; decode {args.decode} tokens after a 32-token prompt, prefill "
-                      f"{args.prefill} tokens; best of {args.rounds} rounds, models interleaved; kernels: {kernels.status()}",
-                      markdown(rows, cols), markdown([{"model": k, "path": v} for k, v in paths.items()], ["model", "path"])])
+    where = f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}, {str(dtype).removeprefix('torch.')}"
+    parts = [f"SmolLM2-135M-Instruct on {where}; decode {args.decode} tokens after a 32-token prompt, prefill "
+             f"{args.prefill} tokens; best of {args.rounds} rounds, models interleaved; kernels: {kernels.status()}",
+             markdown(rows, cols), markdown([{"model": k, "path": v} for k, v in paths.items()], ["model", "path"])]
+    layers = []
+    if args.layers:
+        layers = layer_rows(device, dtype, bandwidth)
+        parts += [f"One product per call at batch 1 on {where} (random weights; "
+                  "bound = weight bytes / copy bandwidth)", markdown(layers, list(layers[0]))]
+    md = "\n\n".join(parts)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps({"rows": rows, "paths": paths}, indent=1))
+    (args.out / "results.json").write_text(json.dumps({"rows": rows, "paths": paths, "layers": layers}, indent=1))
     (args.out / "results.md").write_text(md + "\n")
     print(md)
 
