@@ -225,11 +225,12 @@ class PalettizedLinear(CompressedLinear):
             return F.linear(x, self.dense_weight().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
         return y if self.bias is None else y + self.bias
 
-    def kernel_layout(self) -> tuple[torch.Tensor, int, kernels.SparseRows | None] | None:
-        """(indices as the LUT kernel reads them, their width, the outliers' corrections by row),
-        prepared once and kept while indices, codebook and outliers stay the same: the stored
-        bytes themselves at 4 and 8 bits, re-packed as nibbles (1-3 bits) or bytes (5-7 bits)
-        otherwise. None: scalar codebooks only."""
+    def kernel_layout(self) -> tuple[torch.Tensor, int, kernels.SparseRows | None, torch.Tensor] | None:
+        """(indices as the LUT kernel reads them, their width, the outliers' corrections by row,
+        the tables), prepared once and kept while indices, codebook and outliers stay the same:
+        the stored bytes themselves at 4 and 8 bits, re-packed as nibbles (1-3 bits) or bytes
+        (5-7 bits) otherwise; tables of fewer than 16 entries padded to 16 for nibbles (once, not
+        per call: on a GPU each call's pad was one more kernel launch). None: scalar codebooks only."""
         if self.cluster_dim != 1 or self.in_features % 2:
             return None
         key = [(t.data_ptr(), t._version) for t in (self.indices, self.codebook)]
@@ -244,7 +245,10 @@ class PalettizedLinear(CompressedLinear):
                 pos = self.outlier_index.long()
                 delta = self.outlier_value - self.codebook[pos // self.in_features // self.group_size, idx.flatten()[pos], 0]
                 sparse = kernels.SparseRows.from_positions(pos, delta.detach(), (self.out_features, self.in_features))
-            self._layout, self._layout_key = (layout, width, sparse), key
+            tables = self.codebook[..., 0]
+            if width == 4 and tables.shape[1] < 16:
+                tables = F.pad(tables, (0, 16 - tables.shape[1]))
+            self._layout, self._layout_key = (layout, width, sparse, tables.detach().contiguous()), key
         return self._layout
 
     def lut_forward(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -254,10 +258,7 @@ class PalettizedLinear(CompressedLinear):
         layout = self.kernel_layout()
         if layout is None:
             return None
-        indices, width, sparse = layout
-        tables = self.codebook[..., 0]
-        if width == 4 and tables.shape[1] < 16:
-            tables = F.pad(tables, (0, 16 - tables.shape[1]))
+        indices, width, sparse, tables = layout
         return kernels.palettized_linear(x, indices, width, tables, self.group_size, self.out_features, sparse)
 
     def trainable_parameters(self) -> list[nn.Parameter]:
