@@ -54,8 +54,9 @@ def result_of(step: str, rep: dict) -> str:
 
 def markdown(rows: list[dict]) -> str:
     cols = list(dict.fromkeys(k for r in rows for k in r))
+    cell = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)  # noqa: E731
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    return "\n".join(lines + ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in rows])
+    return "\n".join(lines + ["| " + " | ".join(cell(r.get(c, "")) for c in cols) + " |" for r in rows])
 
 
 def main() -> None:
