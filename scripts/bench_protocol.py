@@ -66,6 +66,9 @@ CLUSTERING = {  # label -> stage; the bits are filled in per column
 COMBINED = {  # label -> stages, at fixed settings: low-rank factors palettized in turn; soft sharing
     "soft_share, plain-SVD deltas": [{"method": "soft_share", "whitening": False}],
     "soft_share (defaults: window 4, rank 16, whitened deltas)": [{"method": "soft_share"}],
+    "soft_share, refit": [{"method": "soft_share", "refit": True}],
+    "soft_share layers 13-16": [{"method": "soft_share", "starts": [13]}],
+    "soft_share layers 13-16, refit": [{"method": "soft_share", "starts": [13], "refit": True}],
     "basis_sharing g2 20 % + kmeans 4-bit": [{"method": "basis_sharing", "group_size": 2, "ratio": 0.2, "refit": False},
                                             {"method": "kmeans", "bits": 4}],
     "basis_sharing g2 20 % + kmeans 3-bit": [{"method": "basis_sharing", "group_size": 2, "ratio": 0.2, "refit": False},

@@ -204,6 +204,6 @@ def hidden_state_error(model, original, texts) -> float:
     with torch.no_grad():
         errors = []
         for x in texts:
-            want = original.model(input_ids=x).last_hidden_state
-            errors.append(((model.model(input_ids=x).last_hidden_state - want).norm() / want.norm()).item())
+            want = original.base_model(input_ids=x).last_hidden_state
+            errors.append(((model.base_model(input_ids=x).last_hidden_state - want).norm() / want.norm()).item())
     return sum(errors) / len(errors)

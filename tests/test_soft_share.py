@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import WIKI_TRAIN, assert_roundtrip, tiny_model
+from conftest import WIKI_TRAIN, assert_roundtrip, hidden_state_error, tiny_model
 from test_cross_layer import AttentionOnly
 from wscompress import calibrate, compress, data
 from wscompress.arch import dims_of, discover, set_module
@@ -31,6 +31,9 @@ class Calibration:
 
     def stats(self, model, names, sensitivity_samples=0):
         return calibrate.collect_grams(model, self.batches, names, sensitivity_samples=sensitivity_samples)
+
+    def dtype(self, model):
+        return None  # the model's own
 
 
 def soft_share(model, tokenizer, **options) -> dict:
@@ -202,3 +205,23 @@ def test_whitened_deltas_lower_the_output_error_on_calibration_inputs():
             err = lambda m: torch.trace((wr.double() - m.dense_weight().double()) @ grams[layer][role]  # noqa: E731
                                         @ (wr.double() - m.dense_weight().double()).T)
             assert err(whitened[layer][role]) < 0.9 * err(plain[layer][role])
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_refit_deltas_bring_the_calibration_outputs_closer(kind, tokenizer):
+    """refit re-solves each down projection's delta on the soft-shared stream: the model's
+    outputs on the calibration sequences move closer to the original's; gate/up deltas and the
+    shared bases stay as they were."""
+    original = tiny_model(kind)
+    plain, refit = tiny_model(kind), tiny_model(kind)
+    for model, option in ((plain, False), (refit, True)):
+        assert soft_share(model, tokenizer, starts=[1], window=3, rank=2, refit=option)["refit"] is option
+    batches = Calibration(tokenizer).batches
+    assert hidden_state_error(refit, original, batches) < hidden_state_error(plain, original, batches)
+    arch = discover(plain)
+    for i in (1, 2, 3):
+        for role, name in ffn_names(arch, i, "soft_share").items():
+            a, b = plain.get_submodule(name), refit.get_submodule(name)
+            torch.testing.assert_close(a.base.weight, b.base.weight)
+            changed = not torch.allclose(a.dense_weight(), b.dense_weight())
+            assert changed == (role == "down"), (i, role)

@@ -8,7 +8,12 @@ down projection) is matched by the Hungarian algorithm, and each layer's gate/up
 down columns are permuted accordingly (which leaves its function unchanged). Then W_c is
 the mean of the aligned weights and A_l B_l the truncated SVD of W_l - W_c whitened by the
 layer's input Gram matrix (as SVD-LLM does for whole weights), so the delta keeps what
-matters on the calibration activations; ``whitening: false`` takes the plain SVD. The window's
+matters on the calibration activations; ``whitening: false`` takes the plain SVD. With ``refit``
+the layers are then taken in order and each down projection's delta is solved again on what the
+soft-shared layers before it now feed it: the least-squares weight for the original layer's
+down output (``compensate.LeastSquares``, as cross_layer refits its shared weights), minus the
+shared base, truncated to the delta's rank whitened by those inputs (the truncation that is
+optimal for that same least-squares error). The window's
 position is searched by the calibration loss of the soft-shared model, estimated on
 ``search_samples`` sequences at ``search_positions`` fixed random positions each (the LM head
 runs on those only: on a 262k vocabulary it would cost more than the rest of the search).
@@ -34,7 +39,8 @@ from ..offload import offload_of
 from ..modules import CompressedLinear, register_module
 from ..recipe import StageConfig
 from ..calibrate import layerwise, start_at
-from ..sharing import OUTPUT_ROLES, Weights, aligned_weights, alignment, check_groups, ffn_names, sample_inputs
+from ..compensate import LeastSquares, module_inputs, originals_in
+from ..sharing import FIT_RIDGE, OUTPUT_ROLES, Weights, aligned_weights, alignment, check_groups, ffn_names, sample_inputs
 from ..stats import Stats
 from . import register
 
@@ -85,6 +91,8 @@ class SoftShareConfig(StageConfig):
     whitening: bool = Field(True, description="true (default): deltas by whitened SVD on each layer's input Gram "
                                               "(activation-aware); false: plain SVD of W_l - W_c. On the protocol the "
                                               "whitened deltas won on wiki.test and on brown.txt")
+    refit: bool = Field(False, description="re-solve each down projection's delta, layers in order, on the "
+                                           "soft-shared model's own activations (one more pass over the calibration set)")
 
 
 @torch.no_grad()
@@ -162,6 +170,30 @@ def sampled_nll(model: nn.Module, batches: list[torch.Tensor], positions: torch.
     return total / count
 
 
+@torch.no_grad()
+def refit_deltas(model: nn.Module, arch: Arch, originals: dict[int, dict[str, nn.Module]], ctx) -> None:
+    """Layers in order: each soft-shared down projection's delta re-solved for the original
+    layer's down output on the inputs it now reads (``originals``: layer -> name -> the
+    module it replaced)."""
+    last = max(originals)
+    dtype = ctx.dtype(model)
+    for i, layer, inputs in layerwise(model, ctx.calibration(), arch, "soft_share: refitting deltas", dtype):
+        if i in originals:
+            name = ffn_names(arch, i, "soft_share")["down"]
+            now = {n: get_module(model, n) for n in originals[i]}
+            with originals_in(model, originals[i], now):  # the original layer, for the target
+                reference = module_inputs(layer, inputs, originals[i][name], dtype)
+            module = now[name]
+            fit = LeastSquares(module.dense_weight(), FIT_RIDGE)
+            fit.add(weight_of(originals[i][name]), module_inputs(layer, inputs, module, dtype), reference)
+            delta = fit.solve() - module.base.weight.double()
+            left, right = low_rank(delta, module.rank, fit.gram)[:2]
+            module.a.copy_(left)
+            module.b.copy_(right)
+        if i == last:
+            break  # the layers after the windows need no outputs
+
+
 def place(model: nn.Module, modules: dict[str, nn.Module]) -> dict[str, nn.Module]:
     """Swap the named modules in; returns the ones they replaced."""
     old = {n: get_module(model, n) for n in modules}
@@ -204,10 +236,11 @@ def apply(model, cfg: SoftShareConfig, ctx) -> dict:
     stats = ctx.stats(model, names) if cfg.whitening else None
     planner = Planner(arch, sample_inputs(model, arch, batches, "down", cfg.samples_per_batch), cfg.rank, stats)
     scores: dict[int, float] = {}
+    originals: dict[str, nn.Module] = {}
     if cfg.starts is not None:
         starts = cfg.starts
         for s in starts:
-            place(model, planner.build(s, cfg.window))
+            originals.update(place(model, planner.build(s, cfg.window)))
     else:
         starts = []
         rows = torch.cat(batches)[: cfg.search_samples]
@@ -222,6 +255,10 @@ def apply(model, cfg: SoftShareConfig, ctx) -> dict:
                                  "give the windows' first layers explicitly with starts, or use fewer windows")
             best, scores = search(model, planner, free, cfg.window, scored, positions)
             starts.append(best)
-            place(model, planner.build(best, cfg.window))
-    return {"windows": [list(range(s, s + cfg.window)) for s in starts], "rank": cfg.rank, "whitening": cfg.whitening,
+            originals.update(place(model, planner.build(best, cfg.window)))
+    if cfg.refit:
+        by_layer = {i: {n: originals[n] for n in ffn_names(arch, i, "soft_share").values()}
+                    for s in starts for i in range(s, s + cfg.window)}
+        refit_deltas(model, arch, by_layer, ctx)
+    return {"windows": [list(range(s, s + cfg.window)) for s in starts], "rank": cfg.rank, "whitening": cfg.whitening, "refit": cfg.refit,
             "search_nll": {str(k): round(v, 4) for k, v in scores.items()}}
