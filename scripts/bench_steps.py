@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from wscompress.report import markdown_table
+
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = {  # key -> (label, recipe, steps)
     "basis_sharing": ("Basis Sharing 20 %, group 2", "configs/basis_sharing.yaml", ["calibrate", "compress", "eval"]),
@@ -52,13 +54,6 @@ def result_of(step: str, rep: dict) -> str:
     return f"{rep['gram_matrices']} Gram matrices, {rep['tokens']:,} tokens"
 
 
-def markdown(rows: list[dict]) -> str:
-    cols = list(dict.fromkeys(k for r in rows for k in r))
-    cell = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)  # noqa: E731
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    return "\n".join(lines + ["| " + " | ".join(cell(r.get(c, "")) for c in cols) + " |" for r in rows])
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=list(RECIPES))
@@ -86,8 +81,8 @@ def main() -> None:
             bench.append({"model": label, "measure": "kernel path", "original": rep["kernels"]["original"],
                           "compressed": rep["kernels"]["compressed"]})
     md = "\n\n".join([f"Each step as a fresh `wscompress` process on {device}; seconds include start-up and loading",
-                      markdown(rows), f"`wscompress bench` on {device} (prefill 128 tokens, decode 16, timing: {timing})",
-                      markdown(bench)]) if bench else markdown(rows)
+                      markdown_table(rows), f"`wscompress bench` on {device} (prefill 128 tokens, decode 16, timing: {timing})",
+                      markdown_table(bench)]) if bench else markdown_table(rows)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps({"device": device, "steps": rows, "bench": bench}, indent=1))
     (args.out / "results.md").write_text(md + "\n")
