@@ -171,7 +171,7 @@ def test_sampled_search_picks_the_exact_searchs_window_on_smollm2(smollm2):
     drop_layers(model, list(range(13)))  # keep the first 13 layers: 4 candidate windows, real weights
     calibration = {"dataset": WIKI_TRAIN, "num_samples": 8, "seq_len": 256, "batch_size": 4}
     stage = {"method": "soft_share", "window": 4, "rank": 8, "search_stride": 3,
-             "whitening": False}  # the plain deltas the Planner below builds
+             "whitening": False, "refit": False}  # the plain deltas the Planner below builds
     (row,) = compress(copy.deepcopy(model), [stage], tok, calibration)
     assert len(row["search_nll"]) == 4
     arch = discover(model)
