@@ -198,6 +198,23 @@ from test_kernels import layer
 from wscompress import kernels
 from wscompress.kernels import lut_triton
 
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def count(y, n):
+    acc = 0.0
+    for _ in range(0, n, 4):
+        acc += 1.0
+    tl.store(y, acc)
+
+
+try:  # Triton 3.6's interpreter under NumPy 2 cannot run a loop with runtime bounds (Triton 3.9's can)
+    count[(1,)](torch.zeros(1), 8)
+except Exception as err:
+    print(f"skip: Triton {triton.__version__}'s interpreter cannot run runtime-bounded loops ({err!r:.80})")
+    sys.exit()
 kernels._triton_path = lambda x: True  # route layers to the Triton kernel on CPU tensors
 kernels._load_triton = lambda: (lut_triton, "interpreted")
 for bits, group_size, outliers in [(4, 1, 0), (4, 16, 5), (3, 1, 7), (2, 8, 0), (5, 1, 3), (8, 4, 0), (6, 48, 0)]:
@@ -231,6 +248,8 @@ def test_triton_lut_kernel_equals_the_reference_path():
     path = os.pathsep.join(p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
     run = subprocess.run([sys.executable, "-c", INTERPRETED], capture_output=True, text=True, env=env)
+    if run.stdout.startswith("skip: "):
+        pytest.skip(run.stdout.strip().removeprefix("skip: "))
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-3000:]
 
 

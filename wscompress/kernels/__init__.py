@@ -201,11 +201,6 @@ class SparseRows(NamedTuple):
         row_ptr = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
         return cls(row_ptr, (pos % shape[1]).to(torch.int32), delta[order].float().contiguous())
 
-    def rows(self) -> torch.Tensor:
-        """Each correction's weight row."""
-        return torch.repeat_interleave(torch.arange(len(self.row_ptr) - 1, device=self.row_ptr.device),
-                                       self.row_ptr.diff())
-
 
 _NO_OUTLIERS = SparseRows(*(torch.empty(0, dtype=t) for t in (torch.int64, torch.int32, torch.float32)))
 
@@ -220,10 +215,7 @@ def palettized_linear(x: torch.Tensor, indices: torch.Tensor, width: int, tables
     if torch.is_grad_enabled() and (x.requires_grad or tables.requires_grad):
         return None
     if _triton_path(x):
-        y = _gpu_linear(x, indices, width, tables, group_size, out_features)
-        if y is not None and outliers is not None:  # add each kept-aside weight's share to its output
-            y.index_add_(-1, outliers.rows(), x[..., outliers.col.long()] * outliers.delta.to(x.dtype))
-        return y
+        return _gpu_linear(x, indices, width, tables, group_size, out_features, outliers)
     module = lut()
     if module is None or x.device.type != "cpu" or x.dtype != torch.float32:
         return None
@@ -243,14 +235,14 @@ def _triton_path(x: torch.Tensor) -> bool:
 
 
 def _gpu_linear(x: torch.Tensor, indices: torch.Tensor, width: int, tables: torch.Tensor, group_size: int,
-                out_features: int) -> torch.Tensor | None:
+                out_features: int, outliers: SparseRows | None) -> torch.Tensor | None:
     global _gpu_failure
     module = lut_gpu()
     if module is None or x.numel() > DECODE_ROWS * x.shape[-1]:
         return None
     flat = x.reshape(-1, x.shape[-1]).contiguous()
     try:
-        y = module.lut_linear(flat, indices, width, tables.detach().contiguous(), group_size, out_features)
+        y = module.lut_linear(flat, indices, width, tables.detach().contiguous(), group_size, out_features, outliers)
     except Exception as err:  # noqa: BLE001 - a Triton or driver that cannot build it: the torch path
         _gpu_failure = f"lut_triton.py failed ({_why(err)})"
         warnings.warn(f"wscompress: {_gpu_failure}; palettized layers materialise their weight instead", stacklevel=2)
