@@ -3,7 +3,9 @@ palettized (kmeans 2/3/4 bits per channel, 4 bits grouped) vs low-rank (svd 20 /
 memory-bandwidth bound for decode as a column. On CPU (default) in float32 with one and two
 threads; with ``--device cuda`` in float16 (the dense baseline is then fp16), timed with CUDA
 events, plus ``--layers``: one decode-sized product on LLaMA-7B-sized layers, where the weight
-bytes, not kernel launches, set the time.
+bytes, not kernel launches, set the time. On CUDA both are also timed replayed from a captured
+CUDA graph (``graph`` columns: decode steps on a static KV cache, as serving stacks run them),
+which takes Python's kernel launches out of the time.
 
 The models are built in this process (data-free options: the speed does not depend on the
 quality), take turns in every round, and each figure is the best of ``--rounds``. The decode
@@ -24,9 +26,11 @@ import time
 from pathlib import Path
 
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from wscompress import kernels, storage
 from wscompress.evaluate.bench import kernel_path
+from wscompress.evaluate.decode import StaticDecoder
 from wscompress.model import load_model
 from wscompress.workflow import apply_stages
 from wscompress.recipe import load_recipe
@@ -83,11 +87,23 @@ def timings(model, batch: int, prompt: int, decode: int) -> dict[str, float]:
     return {"prefill": prefill, "decode": clock(device) - start}
 
 
+@torch.no_grad()
+def graph_decode_seconds(decoder: StaticDecoder, decode: int) -> float:
+    """Seconds of ``decode`` greedy steps replayed from the decoder's CUDA graph."""
+    decoder.reset()
+    start = clock(decoder.prompt.device)
+    for _ in range(decode):
+        decoder.step()
+    return clock(decoder.prompt.device) - start
+
+
 LAYER_SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008)]  # (out, in) of LLaMA-7B's q/o, gate/up, down
+LAYER_COLS = ["layer (out x in)", "model", "weight MB", "us per call", "x dense", "graph us per call", "graph x dense",
+              "bound us", "of bound"]
 
 
 @torch.no_grad()  # not inference mode: the layers cache their kernel layout by tensor version
-def layer_rows(device: torch.device, dtype: torch.dtype, bandwidth: float) -> list[dict]:
+def layer_rows(device: torch.device, dtype: torch.dtype, bandwidth: float, graph: bool) -> list[dict]:
     """One decode-sized product (batch 1) per call on 7B-sized layers: dense vs palettized per
     channel, microseconds per call (best of 5 runs of ``calls``) and the weight bytes' bound."""
     from wscompress.methods.kmeans import PalettizedLinear
@@ -105,19 +121,35 @@ def layer_rows(device: torch.device, dtype: torch.dtype, bandwidth: float) -> li
         x = torch.randn(1, in_f, device=device, dtype=dtype)
         for label, layer in layers.items():
             layer(x)  # builds the kernel layout (and compiles / tunes the kernel) before timing
-            best = float("inf")
-            for _ in range(5):
-                start = clock(device)
-                for _ in range(calls):
-                    layer(x)
-                best = min(best, (clock(device) - start) / calls)
+            run = lambda: [layer(x) for _ in range(calls)]  # noqa: E731
+            row = {"layer (out x in)": f"{out_f} x {in_f}", "model": label, "us per call": best_seconds(run, device) / calls * 1e6}
+            if graph:  # the same calls captured once and replayed: GPU time without Python's launches
+                captured = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(captured):
+                    run()
+                row["graph us per call"] = best_seconds(captured.replay, device) / calls * 1e6
             weight = storage.resident_bytes(layer)
-            rows.append({"layer (out x in)": f"{out_f} x {in_f}", "model": label, "weight MB": round(weight / 2**20, 2),
-                         "us per call": round(best * 1e6, 1), "x dense": None, "bound us": round(weight / bandwidth * 1e6, 1),
-                         "of bound": f"{weight / bandwidth / best:.0%}"})
+            fastest = min(row["us per call"], row.get("graph us per call", float("inf")))
+            rows.append({**row, "weight MB": round(weight / 2**20, 2), "bound us": round(weight / bandwidth * 1e6, 1),
+                         "of bound": f"{weight / bandwidth / fastest * 1e6:.0%}"})
+        dense = rows[-len(layers)]
         for row in rows[-len(layers):]:
-            row["x dense"] = round(rows[-len(layers)]["us per call"] / row["us per call"], 2)
+            for key, ratio in (("us per call", "x dense"), ("graph us per call", "graph x dense")):
+                if key in row:
+                    row[ratio] = round(dense[key] / row[key], 2)
+        for row in rows[-len(layers):]:
+            row.update({k: round(v, 1) for k, v in row.items() if k.endswith("per call")})
     return rows
+
+
+def best_seconds(fn, device: torch.device, runs: int = 5) -> float:
+    """The fastest of ``runs`` calls of ``fn``, in seconds."""
+    best = float("inf")
+    for _ in range(runs):
+        start = clock(device)
+        fn()
+        best = min(best, clock(device) - start)
+    return best
 
 
 def markdown(rows: list[dict], cols: list[str]) -> str:
@@ -134,16 +166,26 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--prefill", type=int, default=128, help="prompt tokens timed without a cache")
     ap.add_argument("--decode", type=int, default=16, help="tokens decoded after a 32-token prompt")
+    ap.add_argument("--model", default="builtin:smollm2-135m-instruct", help="checkpoint: folder, hub id or builtin:")
+    ap.add_argument("--random-weights", action="store_true", help="the checkpoint's config and tokenizer with random "
+                    "weights (its weight files need not be there): speed does not depend on the values")
     ap.add_argument("--device", default="cpu", help="cpu, or cuda (float16, CUDA timing; threads do not apply)")
     ap.add_argument("--layers", action="store_true", help="also time single products on LLaMA-7B-sized layers")
+    ap.add_argument("--graph", action=argparse.BooleanOptionalAction, default=True,
+                    help="on CUDA, also time decoding replayed from CUDA graphs")
     ap.add_argument("--out", type=Path, default=REPO / "outputs" / "bench_runtime")
     args = ap.parse_args()
     device = torch.device(args.device)
     dtype = torch.float16 if device.type == "cuda" else torch.float32
+    graphed = device.type == "cuda" and args.graph
     threads_list = args.threads if device.type == "cpu" else [torch.get_num_threads()]
 
-    recipe = load_recipe(data={"model": {"path": "builtin:smollm2-135m-instruct", "device": args.device}})
-    original, tok = load_model(recipe.model)
+    recipe = load_recipe(data={"model": {"path": args.model, "device": args.device}})
+    if args.random_weights:
+        config = AutoConfig.from_pretrained(args.model)
+        original, tok = AutoModelForCausalLM.from_config(config).to(device), AutoTokenizer.from_pretrained(args.model)
+    else:
+        original, tok = load_model(recipe.model)
     models = {}
     for label in args.models:
         model = copy.deepcopy(original)
@@ -162,12 +204,17 @@ def main() -> None:
         bandwidth = copy_bandwidth(device, threads)
         torch.set_num_threads(threads)
         for batch in args.batches:
-            best = {label: {"prefill": float("inf"), "decode": float("inf")} for label in models}
+            best = {label: {"prefill": float("inf"), "decode": float("inf"), "graph": float("inf")} for label in models}
+            prompt = torch.randint(0, 1000, (batch, 32), generator=torch.Generator().manual_seed(1)).to(device)
+            graphs = {label: StaticDecoder(m, prompt, args.decode, graph=True) for label, m in models.items()} if graphed else {}
             for round_ in range(args.rounds + 1):  # round 0 warms up; then the models take turns
                 for label, model in models.items():
                     t = timings(model, batch, args.prefill, args.decode)
+                    if graphed:
+                        t["graph"] = graph_decode_seconds(graphs[label], args.decode)
                     if round_:
                         best[label] = {k: min(best[label][k], t[k]) for k in t}
+            del graphs
             dense = best.get("dense")
             for label in models:
                 decode_tps = batch * args.decode / best[label]["decode"]
@@ -177,24 +224,31 @@ def main() -> None:
                 if dense is not None:
                     row["decode x dense"] = round(dense["decode"] / best[label]["decode"], 2)
                     row["prefill x dense"] = round(dense["prefill"] / best[label]["prefill"], 2)
+                if graphed:
+                    graph_tps = batch * args.decode / best[label]["graph"]
+                    row["graph decode tok/s"] = round(graph_tps, 1)
+                    if dense is not None:
+                        row["graph x dense"] = round(dense["graph"] / best[label]["graph"], 2)
                 if batch == 1:
                     bound = bandwidth / resident[label]
                     row["decode bound tok/s"] = round(bound, 1)
-                    row["of bound"] = f"{decode_tps / bound:.0%}"
+                    row["of bound"] = f"{max(decode_tps, row.get('graph decode tok/s', 0)) / bound:.0%}"
                 rows.append(row)
                 print(row, flush=True)
     paths = {label: kernel_path(m) for label, m in models.items()}
-    cols = ["threads", "batch", "model", "resident MB", "decode tok/s", "decode x dense", "decode bound tok/s", "of bound",
-            "prefill tok/s", "prefill x dense"]
+    cols = ["threads", "batch", "model", "resident MB", "decode tok/s", "decode x dense"]
+    cols += ["graph decode tok/s", "graph x dense"] if graphed else []
+    cols += ["decode bound tok/s", "of bound", "prefill tok/s", "prefill x dense"]
     where = f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}, {str(dtype).removeprefix('torch.')}"
-    parts = [f"SmolLM2-135M-Instruct on {where}; decode {args.decode} tokens after a 32-token prompt, prefill "
+    name = f"{args.model}{' (random weights)' if args.random_weights else ''}"
+    parts = [f"{name} on {where}; decode {args.decode} tokens after a 32-token prompt, prefill "
              f"{args.prefill} tokens; best of {args.rounds} rounds, models interleaved; kernels: {kernels.status()}",
              markdown(rows, cols), markdown([{"model": k, "path": v} for k, v in paths.items()], ["model", "path"])]
     layers = []
     if args.layers:
-        layers = layer_rows(device, dtype, bandwidth)
+        layers = layer_rows(device, dtype, bandwidth, graphed)
         parts += [f"One product per call at batch 1 on {where} (random weights; "
-                  "bound = weight bytes / copy bandwidth)", markdown(layers, list(layers[0]))]
+                  "bound = weight bytes / copy bandwidth)", markdown(layers, [c for c in LAYER_COLS if c in layers[0]])]
     md = "\n\n".join(parts)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps({"rows": rows, "paths": paths, "layers": layers}, indent=1))

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from conftest import tiny_model
 
 from wscompress import compress, kernels, storage
 from wscompress.evaluate import bench
+from wscompress.evaluate.decode import StaticDecoder
 from wscompress.recipe import BenchConfig, load_recipe
 
 
@@ -63,3 +65,21 @@ def test_peak_memory_is_this_process_not_its_parents():
 
     assert peak_memory_mb(torch.device("cpu")) > 1024 > child
     del ballast
+
+
+@pytest.mark.parametrize("method", [None, {"method": "kmeans", "bits": 4, "sensitivity": "none", "error_feedback": False,
+                                           "refit": False, "outliers": 0.01}])
+def test_static_decoder_decodes_what_generate_does(method):
+    """The static-cache decoder (what bench replays as a CUDA graph on a GPU) gives generate's
+    greedy tokens, dense and palettized (the LUT kernel with outliers), and restarts on reset."""
+    model = tiny_model("llama")
+    if method:
+        compress(model, [method])
+    prompt = torch.randint(0, 512, (2, 7), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        expected = model.generate(prompt, max_new_tokens=6, do_sample=False, min_new_tokens=6)[:, 7:]
+        decoder = StaticDecoder(model, prompt, max_new_tokens=5)
+        for _ in range(2):  # the second time after a reset
+            tokens = [decoder.first] + [decoder.step().clone() for _ in range(5)]
+            assert torch.equal(torch.cat(tokens, 1), expected)
+            decoder.reset()

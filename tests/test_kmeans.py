@@ -256,8 +256,10 @@ def test_tied_embedding_and_head_are_one_palettized_table(tokenizer, tmp_path, o
     wscompress.compress(model, [stage], tokenizer, CALIB)
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
     assert isinstance(emb, PalettizedEmbedding) and emb.table is head and isinstance(head, PalettizedLinear)
-    ids = torch.randint(0, 512, (2, 7))
-    assert torch.equal(emb(ids), head.dense_weight()[ids])  # the row lookup decodes exactly the table's rows
+    for shape in [(2, 7), (2, 1), (1, 1)]:  # prefill: each distinct row once; a decode step's few: static shapes
+        ids = torch.randint(0, 512, shape)
+        ids[0, 0] = head.outlier_index[0] // 64 if outliers else 0  # a row with an outlier
+        assert torch.equal(emb(ids), head.dense_weight()[ids])  # the row lookup decodes exactly the table's rows
     x = torch.randint(0, 512, (2, 16))
     saved = storage.save(model, tokenizer, tmp_path / "m")
     with safe_open(str(tmp_path / "m" / storage.WEIGHTS), "pt") as f:

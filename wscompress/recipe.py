@@ -151,6 +151,9 @@ class BenchConfig(Strict):
     decode_tokens: int = Field(16, ge=0)
     warmup: int = Field(1, ge=0)
     repeats: int = Field(3, gt=0)
+    cuda_graph: bool = Field(False, description="on CUDA, decode on a static KV cache with each step replayed as "
+                             "one captured CUDA graph, as serving stacks do (eager decoding of a small model times "
+                             "Python's kernel launches, not the layers); no effect on CPU")
 
 
 class OutputConfig(Strict):

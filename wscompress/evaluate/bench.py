@@ -23,6 +23,7 @@ from .. import report, storage, ui
 from ..model import checkpoint_files, load_model, model_device, resolve_path
 from ..offload import offload_of
 from ..recipe import BenchConfig, ModelConfig, Recipe, recipe_dict
+from .decode import StaticDecoder
 
 
 def weight_files_bytes(cfg: ModelConfig) -> int | None:
@@ -80,7 +81,11 @@ def throughput(model: nn.Module, batch: int, seq_len: int, cfg: BenchConfig) -> 
             past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
 
     row = {"prefill_tok_s": batch * seq_len / _median_seconds(device, prefill, lambda: None, cfg)}
-    if cfg.decode_tokens:
+    if cfg.decode_tokens and cfg.cuda_graph and device.type == "cuda":
+        decoder = StaticDecoder(model, x, cfg.decode_tokens, graph=True)
+        steps = lambda _: [decoder.step() for _ in range(cfg.decode_tokens)]  # noqa: E731
+        row["decode_tok_s"] = batch * cfg.decode_tokens / _median_seconds(device, steps, decoder.reset, cfg)
+    elif cfg.decode_tokens:
         row["decode_tok_s"] = batch * cfg.decode_tokens / _median_seconds(device, decode, prompt_cache, cfg)
     return row
 
@@ -161,8 +166,9 @@ def step_bench(recipe: Recipe) -> dict:
         with ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn")) as pool:
             results[label] = pool.submit(measure, mcfg, cfg, ui.QUIET).result()
     rows = comparison_rows(results)
+    cuda = "cuda" in results["original"]["device"]
     out = {"table": rows, "kernels": {label: r["kernel"] for label, r in results.items()}, "details": results,
-           "timing": "cuda events" if "cuda" in results["original"]["device"] else
+           "timing": ("cuda events" + (", decode steps replayed as CUDA graphs" if cfg.cuda_graph else "")) if cuda else
            f"wall clock, median of {cfg.repeats} after {cfg.warmup} warm-up"}
     report.write(recipe.out, "bench", out, recipe_dict(recipe))
     ui.show("bench", rows)
