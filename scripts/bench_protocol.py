@@ -64,11 +64,15 @@ CLUSTERING = {  # label -> stage; the bits are filled in per column
     "kmeans (default: + refit)": {"method": "kmeans"},
 }
 COMBINED = {  # label -> stages, at fixed settings: low-rank factors palettized in turn; soft sharing
-    "soft_share, plain-SVD deltas": [{"method": "soft_share", "whitening": False}],
-    "soft_share (defaults: window 4, rank 16, whitened deltas)": [{"method": "soft_share"}],
-    "soft_share, refit": [{"method": "soft_share", "refit": True}],
-    "soft_share layers 13-16": [{"method": "soft_share", "starts": [13]}],
-    "soft_share layers 13-16, refit": [{"method": "soft_share", "starts": [13], "refit": True}],
+    "soft_share, plain-SVD deltas, base: mean, refit: false":
+        [{"method": "soft_share", "whitening": False, "base": "mean", "refit": False}],
+    "soft_share, base: mean, refit: false": [{"method": "soft_share", "base": "mean", "refit": False}],
+    "soft_share, base: mean": [{"method": "soft_share", "base": "mean"}],
+    "soft_share (defaults: window 4 searched, rank 16, base: fit, whitened deltas, refit)": [{"method": "soft_share"}],
+    "soft_share layers 13-16, base: mean, refit: false": [{"method": "soft_share", "starts": [13], "base": "mean", "refit": False}],
+    "soft_share layers 13-16, base: mean": [{"method": "soft_share", "starts": [13], "base": "mean"}],
+    "soft_share layers 13-16, refit: false": [{"method": "soft_share", "starts": [13], "refit": False}],
+    "soft_share layers 13-16 (default: base: fit)": [{"method": "soft_share", "starts": [13]}],
     "basis_sharing g2 20 % + kmeans 4-bit": [{"method": "basis_sharing", "group_size": 2, "ratio": 0.2, "refit": False},
                                             {"method": "kmeans", "bits": 4}],
     "basis_sharing g2 20 % + kmeans 3-bit": [{"method": "basis_sharing", "group_size": 2, "ratio": 0.2, "refit": False},
@@ -90,6 +94,13 @@ COMBINED = {  # label -> stages, at fixed settings: low-rank factors palettized 
     "gqa 3 -> 1 kv heads, init: mean (Ainslie et al.)": [{"method": "gqa", "groups": 1, "init": "mean"}],
     "gqa 3 -> 1 kv heads, init: pca, refit: false": [{"method": "gqa", "groups": 1, "refit": False}],
     "gqa 3 -> 1 kv heads, init: pca (default: + o_proj refit)": [{"method": "gqa", "groups": 1}],
+    "merge_drop n=2 (default: before the last layer, mean)": [{"method": "merge_drop", "n": 2}],
+    "merge_drop n=2, search (Gromov et al.), mean": [{"method": "merge_drop", "n": 2, "search": True}],
+    "merge_drop n=2, search, first (ShortGPT-style drop)": [{"method": "merge_drop", "n": 2, "search": True, "init": "first"}],
+    "merge_drop n=2, search, mean + refit": [{"method": "merge_drop", "n": 2, "search": True, "refit": True}],
+    "merge_drop n=2, search, first + refit": [{"method": "merge_drop", "n": 2, "search": True, "init": "first", "refit": True}],
+    "merge_drop n=4, search, first": [{"method": "merge_drop", "n": 4, "search": True, "init": "first"}],
+    "merge_drop n=4, search, first + refit": [{"method": "merge_drop", "n": 4, "search": True, "init": "first", "refit": True}],
 }
 # Published figures of the reference implementations on this protocol (measured by running the
 # official code on this machine, issue 11): label -> {ratio: wiki.test perplexity}

@@ -171,7 +171,7 @@ def test_sampled_search_picks_the_exact_searchs_window_on_smollm2(smollm2):
     drop_layers(model, list(range(13)))  # keep the first 13 layers: 4 candidate windows, real weights
     calibration = {"dataset": WIKI_TRAIN, "num_samples": 8, "seq_len": 256, "batch_size": 4}
     stage = {"method": "soft_share", "window": 4, "rank": 8, "search_stride": 3,
-             "whitening": False, "refit": False}  # the plain deltas the Planner below builds
+             "base": "mean", "whitening": False, "refit": False}  # what the Planner below builds
     (row,) = compress(copy.deepcopy(model), [stage], tok, calibration)
     assert len(row["search_nll"]) == 4
     arch = discover(model)
@@ -202,20 +202,34 @@ def test_whitened_deltas_lower_the_output_error_on_calibration_inputs():
     plain, whitened = soft_modules(weights, 4), soft_modules(weights, 4, grams)
     for layer, w in enumerate(weights):
         for role, (wr, _) in w.items():
-            err = lambda m: torch.trace((wr.double() - m.dense_weight().double()) @ grams[layer][role]  # noqa: E731
-                                        @ (wr.double() - m.dense_weight().double()).T)
-            assert err(whitened[layer][role]) < 0.9 * err(plain[layer][role])
+            assert output_error(wr, whitened[layer][role].dense_weight(), grams[layer][role]) < \
+                0.9 * output_error(wr, plain[layer][role].dense_weight(), grams[layer][role])
+    # base: fit, the one weight closest to every layer's on its own inputs: nearer than the mean
+    fitted = soft_modules(weights, 4, grams, "fit")
+    for role in weights[0]:
+        def base_error(modules):
+            return sum(output_error(w[role][0], modules[0][role].base.weight, g[role]) for w, g in zip(weights, grams))
+        assert fitted[0][role].base is fitted[2][role].base
+        assert base_error(fitted) < 0.9 * base_error(whitened)
 
 
-@pytest.mark.parametrize("kind", ["llama", "gpt2"])
-def test_refit_deltas_bring_the_calibration_outputs_closer(kind, tokenizer):
+def output_error(w: torch.Tensor, approx: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
+    """‖(W − Ŵ)·Xᵀ‖² from the inputs' Gram matrix XᵀX."""
+    d = w.double() - approx.double()
+    return torch.trace(d @ gram @ d.T)
+
+
+@pytest.mark.parametrize("kind,base", [("llama", "fit"), ("llama", "mean"), ("gpt2", "mean")])
+def test_refit_deltas_bring_the_calibration_outputs_closer(kind, base, tokenizer):
     """refit re-solves each down projection's delta on the soft-shared stream: the model's
     outputs on the calibration sequences move closer to the original's; gate/up deltas and the
-    shared bases stay as they were."""
+    shared bases stay as they were. (Each layer's solve is what refit guarantees; the last
+    hidden state follows on these models, but not on the tiny GPT-2 with the fitted base,
+    0.185 against 0.179 without the refit, so that pair is not claimed here.)"""
     original = tiny_model(kind)
     plain, refit = tiny_model(kind), tiny_model(kind)
     for model, option in ((plain, False), (refit, True)):
-        assert soft_share(model, tokenizer, starts=[1], window=3, rank=2, refit=option)["refit"] is option
+        assert soft_share(model, tokenizer, starts=[1], window=3, rank=2, base=base, refit=option)["refit"] is option
     batches = Calibration(tokenizer).batches
     assert hidden_state_error(refit, original, batches) < hidden_state_error(plain, original, batches)
     arch = discover(plain)

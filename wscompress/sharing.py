@@ -144,11 +144,17 @@ def fitted_modules(modules: list[nn.Module], grams: list[torch.Tensor]) -> nn.Mo
     diagonal). Biases and non-linear modules (norms) are averaged."""
     out = average_modules(modules)
     if is_linear(out):
-        a = sum(g.double() for g in grams)
-        r = sum(weight_of(m).detach().double() @ g.double() for m, g in zip(modules, grams))
         w = weight_of(out)
-        w.copy_(solve_coefficients(a, r, FIT_RIDGE, w).to(w.dtype))
+        w.copy_(fitted_weight([weight_of(m).detach() for m in modules], grams, w).to(w.dtype))
     return out
+
+
+def fitted_weight(weights: list[torch.Tensor], grams: list[torch.Tensor], mean: torch.Tensor) -> torch.Tensor:
+    """(Σ W_l·G_l + λ·W̄)·(Σ G_l + λ·I)⁻¹ in float64: the one weight that serves every member
+    best on its own inputs (G_l), pulled toward their mean W̄ (see ``fitted_modules``)."""
+    a = sum(g.double() for g in grams)
+    r = sum(w.double() @ g.double() for w, g in zip(weights, grams))
+    return solve_coefficients(a, r, FIT_RIDGE, mean)
 
 
 def share_group(arch: Arch, group: list[int], part: Part, source: int | Literal["mean", "fit"],

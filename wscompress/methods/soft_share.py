@@ -6,7 +6,9 @@ unrelated neurons. First the neurons of every layer in the window are aligned to
 window's first layer: the correlation of their calibration activations (the inputs of the
 down projection) is matched by the Hungarian algorithm, and each layer's gate/up rows and
 down columns are permuted accordingly (which leaves its function unchanged). Then W_c is
-the mean of the aligned weights and A_l B_l the truncated SVD of W_l - W_c whitened by the
+the one weight that serves every layer best on its own calibration inputs (``base: fit``, as
+cross_layer fits its shared weights; ``mean``: the aligned weights' mean) and A_l B_l the
+truncated SVD of W_l - W_c whitened by the
 layer's input Gram matrix (as SVD-LLM does for whole weights), so the delta keeps what
 matters on the calibration activations; ``whitening: false`` takes the plain SVD. With ``refit``
 the layers are then taken in order and each down projection's delta is solved again on what the
@@ -40,7 +42,8 @@ from ..modules import CompressedLinear, register_module
 from ..recipe import StageConfig
 from ..calibrate import layerwise, start_at
 from ..compensate import LeastSquares, module_inputs, originals_in
-from ..sharing import FIT_RIDGE, OUTPUT_ROLES, Weights, aligned_weights, alignment, check_groups, ffn_names, sample_inputs
+from ..sharing import (FIT_RIDGE, OUTPUT_ROLES, Weights, aligned_weights, alignment, check_groups, ffn_names,
+                       fitted_weight, sample_inputs)
 from ..stats import Stats
 from . import register
 
@@ -88,6 +91,10 @@ class SoftShareConfig(StageConfig):
     search_positions: int = Field(64, ge=1, description="next-token predictions scored per sequence (a fixed "
                                                        "random subset: the LM head runs on these only)")
     samples_per_batch: int = Field(256, ge=8, description="token rows per calibration batch used to correlate neurons")
+    base: Literal["fit", "mean"] = Field("fit", description="each projection's shared weight: fit (default; as "
+                                         "cross_layer's init: fit, the one weight that serves every layer of the "
+                                         "window best on its own calibration inputs; on the protocol's layers 13-16 "
+                                         "it won on wiki.test and brown.txt) or mean (of the aligned weights)")
     whitening: bool = Field(True, description="true (default): deltas by whitened SVD on each layer's input Gram "
                                               "(activation-aware); false: plain SVD of W_l - W_c. On the protocol the "
                                               "whitened deltas won on wiki.test and on brown.txt")
@@ -97,25 +104,28 @@ class SoftShareConfig(StageConfig):
 
 
 @torch.no_grad()
-def soft_modules(weights: list[dict[str, Weights]], rank: int,
-                 grams: list[dict[str, torch.Tensor]] | None = None) -> list[dict[str, LowRankDeltaLinear]]:
-    """One LowRankDeltaLinear per layer and role: the role's shared base is the mean of the
-    window's aligned weights, each delta the rank-``rank`` truncated SVD of W_l - W_c (whitened
-    by the layer's input Gram matrix for that role when ``grams`` are given)."""
+def soft_modules(weights: list[dict[str, Weights]], rank: int, grams: list[dict[str, torch.Tensor]] | None = None,
+                 base: Literal["fit", "mean"] = "mean", whitening: bool = True) -> list[dict[str, LowRankDeltaLinear]]:
+    """One LowRankDeltaLinear per layer and role: the role's shared base W_c is the mean of the
+    window's aligned weights or (``fit``, needs ``grams``) the weight fitted to every layer's
+    inputs as cross_layer's ``init: fit`` fits it; each delta is the rank-``rank`` truncated SVD
+    of W_l - W_c, whitened by the layer's input Gram matrix for that role (``grams`` given and ``whitening``)."""
     out: list[dict[str, LowRankDeltaLinear]] = [{} for _ in weights]
     for role in weights[0]:
         ws = [w[role][0] for w in weights]
         dtype, device = ws[0].dtype, ws[0].device
         center = torch.stack([w.float() for w in ws]).mean(0)
-        base = nn.Linear(center.shape[1], center.shape[0], bias=False, device=device, dtype=dtype)
-        base.weight.copy_(center)
+        if base == "fit":
+            center = fitted_weight(ws, [g[role] for g in grams], center).float()
+        shared = nn.Linear(center.shape[1], center.shape[0], bias=False, device=device, dtype=dtype)
+        shared.weight.copy_(center)
         r = min(rank, *center.shape)
         for layer, w in enumerate(ws):
             delta = w.double() - center
-            left, right = low_rank(delta, r, None if grams is None else grams[layer][role])[:2]  # balanced factors
+            left, right = low_rank(delta, r, grams[layer][role] if grams and whitening else None)[:2]  # balanced factors
             bias = weights[layer][role][1]
             module = LowRankDeltaLinear(center.shape[1], center.shape[0], r, bias is not None).to(device=device, dtype=dtype)
-            module.base = base
+            module.base = shared
             module.a.copy_(left)
             module.b.copy_(right)
             if bias is not None:
@@ -127,8 +137,9 @@ def soft_modules(weights: list[dict[str, Weights]], rank: int,
 class Planner:
     """Builds soft-shared FFN modules for any window, caching neuron alignments."""
 
-    def __init__(self, arch: Arch, acts: dict[int, torch.Tensor], rank: int, stats: Stats | None = None):
-        self.arch, self.acts, self.rank, self.stats = arch, acts, rank, stats
+    def __init__(self, arch: Arch, acts: dict[int, torch.Tensor], rank: int, stats: Stats | None = None,
+                 base: Literal["fit", "mean"] = "mean", whitening: bool = True):
+        self.arch, self.acts, self.rank, self.stats, self.base, self.whitening = arch, acts, rank, stats, base, whitening
         self._perms: dict[tuple[int, int], torch.Tensor] = {}
 
     def perm(self, ref: int, i: int) -> torch.Tensor:
@@ -148,7 +159,7 @@ class Planner:
                       for role, name in ffn_names(self.arch, i, "soft_share").items()}
                      for i in layers for p in [self.perm(start, i)]]
         out = {}
-        for i, modules in zip(layers, soft_modules(weights, self.rank, grams)):
+        for i, modules in zip(layers, soft_modules(weights, self.rank, grams, self.base, self.whitening)):
             names = ffn_names(self.arch, i, "soft_share")
             for role, m in modules.items():
                 m.conv1d = isinstance(get_module(self.arch.model, names[role]), Conv1D)
@@ -234,8 +245,9 @@ def apply(model, cfg: SoftShareConfig, ctx) -> dict:
     if cfg.starts is not None:
         check_groups([list(range(s, s + cfg.window)) for s in cfg.starts], n, what="starts")
     batches = ctx.calibration()
-    stats = ctx.stats(model, names) if cfg.whitening else None
-    planner = Planner(arch, sample_inputs(model, arch, batches, "down", cfg.samples_per_batch), cfg.rank, stats)
+    stats = ctx.stats(model, names) if cfg.whitening or cfg.base == "fit" else None
+    planner = Planner(arch, sample_inputs(model, arch, batches, "down", cfg.samples_per_batch), cfg.rank, stats,
+                      cfg.base, cfg.whitening)
     scores: dict[int, float] = {}
     originals: dict[str, nn.Module] = {}
     if cfg.starts is not None:
@@ -261,5 +273,6 @@ def apply(model, cfg: SoftShareConfig, ctx) -> dict:
         by_layer = {i: {n: originals[n] for n in ffn_names(arch, i, "soft_share").values()}
                     for s in starts for i in range(s, s + cfg.window)}
         refit_deltas(model, arch, by_layer, ctx)
-    return {"windows": [list(range(s, s + cfg.window)) for s in starts], "rank": cfg.rank, "whitening": cfg.whitening, "refit": cfg.refit,
+    return {"windows": [list(range(s, s + cfg.window)) for s in starts], "rank": cfg.rank, "base": cfg.base,
+            "whitening": cfg.whitening, "refit": cfg.refit,
             "search_nll": {str(k): round(v, 4) for k, v in scores.items()}}
