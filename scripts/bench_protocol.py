@@ -71,7 +71,7 @@ COMBINED = {  # label -> stages, at fixed settings: low-rank factors palettized 
     "soft_share (defaults: window 4 searched, rank 16, base: fit, whitened deltas, refit)": [{"method": "soft_share"}],
     "soft_share layers 13-16, base: mean, refit: false": [{"method": "soft_share", "starts": [13], "base": "mean", "refit": False}],
     "soft_share layers 13-16, base: mean": [{"method": "soft_share", "starts": [13], "base": "mean"}],
-    "soft_share layers 13-16, refit: false": [{"method": "soft_share", "starts": [13], "refit": False}],
+    "soft_share layers 13-16, base: fit, refit: false": [{"method": "soft_share", "starts": [13], "refit": False}],
     "soft_share layers 13-16 (default: base: fit)": [{"method": "soft_share", "starts": [13]}],
     "basis_sharing g2 20 % + kmeans 4-bit": [{"method": "basis_sharing", "group_size": 2, "ratio": 0.2, "refit": False},
                                             {"method": "kmeans", "bits": 4}],
@@ -94,13 +94,14 @@ COMBINED = {  # label -> stages, at fixed settings: low-rank factors palettized 
     "gqa 3 -> 1 kv heads, init: mean (Ainslie et al.)": [{"method": "gqa", "groups": 1, "init": "mean"}],
     "gqa 3 -> 1 kv heads, init: pca, refit: false": [{"method": "gqa", "groups": 1, "refit": False}],
     "gqa 3 -> 1 kv heads, init: pca (default: + o_proj refit)": [{"method": "gqa", "groups": 1}],
-    "merge_drop n=2 (default: before the last layer, mean)": [{"method": "merge_drop", "n": 2}],
-    "merge_drop n=2, search (Gromov et al.), mean": [{"method": "merge_drop", "n": 2, "search": True}],
-    "merge_drop n=2, search, first (ShortGPT-style drop)": [{"method": "merge_drop", "n": 2, "search": True, "init": "first"}],
-    "merge_drop n=2, search, mean + refit": [{"method": "merge_drop", "n": 2, "search": True, "refit": True}],
-    "merge_drop n=2, search, first + refit": [{"method": "merge_drop", "n": 2, "search": True, "init": "first", "refit": True}],
-    "merge_drop n=4, search, first": [{"method": "merge_drop", "n": 4, "search": True, "init": "first"}],
-    "merge_drop n=4, search, first + refit": [{"method": "merge_drop", "n": 4, "search": True, "init": "first", "refit": True}],
+    "merge_drop n=2, before the last layer, mean (the earlier default)":
+        [{"method": "merge_drop", "n": 2, "search": False, "refit": False}],
+    "merge_drop n=2, search (Gromov et al.), mean": [{"method": "merge_drop", "n": 2, "init": "mean", "refit": False}],
+    "merge_drop n=2, search, first (ShortGPT-style drop)": [{"method": "merge_drop", "n": 2, "refit": False}],
+    "merge_drop n=2, search, mean + refit": [{"method": "merge_drop", "n": 2, "init": "mean"}],
+    "merge_drop n=2 (default: search, first + refit)": [{"method": "merge_drop", "n": 2}],
+    "merge_drop n=4, search, first": [{"method": "merge_drop", "n": 4, "refit": False}],
+    "merge_drop n=4 (default: search, first + refit)": [{"method": "merge_drop", "n": 4}],
 }
 # Published figures of the reference implementations on this protocol (measured by running the
 # official code on this machine, issue 11): label -> {ratio: wiki.test perplexity}

@@ -44,7 +44,8 @@ METHODS = {  # key -> (label, stages, learning rate of mode: method)
     "bs20": ("basis_sharing g2 20 %", [{"method": "basis_sharing", "ratio": 0.2, "group_size": 2}], 1e-4),
     "bs40": ("basis_sharing g2 40 %", [{"method": "basis_sharing", "ratio": 0.4, "group_size": 2}], 1e-4),
     "kmeans3": ("kmeans 3-bit per channel", [{"method": "kmeans", "bits": 3}], 1e-4),
-    "merge_drop2": ("merge_drop n=2", [{"method": "merge_drop", "n": 2}], 5e-5),
+    "merge_drop2": ("merge_drop n=2 (last layers, mean: the data-free options)",
+                    [{"method": "merge_drop", "n": 2, "init": "mean", "search": False, "refit": False}], 5e-5),
     "cross_layer_ffn2": ("cross_layer FFN group 2", [{"method": "cross_layer", "what": "ffn", "group_size": 2}], 5e-5),
     "gqa1": ("gqa 3 -> 1 kv heads", [{"method": "gqa", "groups": 1}], 5e-5),
 }

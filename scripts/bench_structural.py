@@ -34,14 +34,15 @@ from wscompress.workflow import apply_stages
 
 REPO = Path(__file__).resolve().parents[1]
 WIKI = REPO.parent / "shared" / "data"
+LAST_MEAN = {"init": "mean", "search": False, "refit": False}  # merge_drop's data-free options (the mean of the last layers)
 # label -> (stages, finetune mode, learning rate): `method` trains only what the method made
 # (soft_share deltas, embedding factors); models with plain shared/merged modules train `full`
 CONFIGS = {
     "original": ([], "full", 5e-5),
     "cross_layer_ffn_g2": ([{"method": "cross_layer", "what": "ffn", "group_size": 2, "init": "best", "refit": False}],
                            "full", 5e-5),
-    "merge_drop_n2": ([{"method": "merge_drop", "n": 2}], "full", 5e-5),
-    "merge_drop_n4": ([{"method": "merge_drop", "n": 4}], "full", 5e-5),
+    "merge_drop_n2": ([{"method": "merge_drop", "n": 2, **LAST_MEAN}], "full", 5e-5),
+    "merge_drop_n4": ([{"method": "merge_drop", "n": 4, **LAST_MEAN}], "full", 5e-5),
     "soft_share_w4_r8": ([{"method": "soft_share", "window": 4, "rank": 8, "search_stride": 3}], "method", 1e-3),
     "soft_share_w4_r32": ([{"method": "soft_share", "window": 4, "rank": 32, "search_stride": 3}], "method", 1e-3),
     "tie_embeddings": ([{"method": "tie_embeddings"}], None, 0.0),
@@ -84,7 +85,7 @@ def depth_latency(base, args) -> list[dict]:
     models = [base]
     for n in (2, 4):
         model = copy.deepcopy(base)
-        apply_stages(model, None, load_recipe(data={"compress": [{"method": "merge_drop", "n": n}]}))
+        apply_stages(model, None, load_recipe(data={"compress": [{"method": "merge_drop", "n": n, **LAST_MEAN}]}))
         models.append(model)
     times = paired_prefill_ms(models, args.prefill_len, args.rounds)
     (wall, cpu) = times[0]

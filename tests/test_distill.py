@@ -106,7 +106,7 @@ def test_layerwise_distillation_keeps_to_its_share_of_the_time_budget(tmp_path, 
 
 def test_layerwise_distillation_refuses_a_shallower_student(tmp_path, tokenizer):
     student = tiny_model("llama")
-    compress(student, [{"method": "merge_drop", "n": 2}])
+    compress(student, [{"method": "merge_drop", "n": 2, "search": False, "refit": False}])  # data-free: one layer fewer
     kd = {"kl": 1.0, "layerwise_steps": 2}
     with pytest.raises(UsageError, match="layerwise_steps: the student has another number of layers"):
         finetune(student, tokenizer, recipe(tmp_path, mode="method", steps=1, distill=kd), teacher=tiny_model("llama"))

@@ -124,6 +124,11 @@ class LeastSquares:
         r = weight.detach().double() @ cross.to(weight.device)
         self.r = r if self.r is None else self.r + r
 
+    def add_outputs(self, x: list[torch.Tensor], target: list[torch.Tensor]) -> None:
+        """Batches whose wanted outputs ``target`` (rows) are given, not an original's weight."""
+        for a, t in zip(x, target):
+            self.gram, self.r = add_gram(self.gram, a), add_product(self.r, t, a)
+
     def solve(self) -> torch.Tensor:
         return solve_coefficients(symmetrize(self.gram), self.r, self.ridge, self.prior)
 
