@@ -9,7 +9,7 @@ stretch while their sums are in registers, as the CPU kernel does.
 
 A decode-sized product has few output rows for a GPU: one program per row block would leave
 most of it idle while each program walks the whole input with one dependent load after another.
-So the input is split into ``SPLIT`` stretches whose partial sums are added afterwards (in a
+So the input is also split into a few stretches whose partial sums are added afterwards (in a
 fixed order: results do not depend on scheduling). Which blocking and split is fastest depends
 on the GPU and the shape; the first call at a shape times a few (``_pick``) and later calls
 launch the kernel straight away, without an autotuner's per-call dispatch.
