@@ -202,13 +202,16 @@ class PalettizedLinear(CompressedLinear):
         lookup in a palettized table): (*ids.shape, in_features). A decode step's few ids are
         decoded as they come, with no data-dependent shapes (so the step can be captured as a
         CUDA graph); longer inputs decode each distinct row once."""
-        if ids.numel() <= kernels.DECODE_ROWS:
-            return self._decode_rows(ids.reshape(-1)).view(*ids.shape, self.in_features)
-        uniq, where = torch.unique(ids.reshape(-1), return_inverse=True)
-        cols = self.in_features // self.cluster_dim
-        packed = self.indices.view(self.out_features, -1)[uniq]  # a row's indices fill whole bytes (cols % 8 == 0)
-        idx = unpack(packed.reshape(-1), self.bits, len(uniq) * cols).view(len(uniq), cols)
-        w = self.codebook[uniq // self.group_size].gather(1, idx[..., None].expand(-1, -1, self.cluster_dim)).flatten(1)
+        flat = ids.reshape(-1)
+        if flat.numel() <= kernels.DECODE_ROWS:
+            w = self._codebook_rows(flat)
+            if self.outliers:  # every kept-aside weight written to row i where it is in row ids[i], else to a spare column
+                pos = self.outlier_index.long()
+                at = torch.where(pos // self.in_features == flat[:, None], pos % self.in_features, self.in_features)
+                w = F.pad(w, (0, 1)).scatter_(1, at, self.outlier_value.to(w.dtype).expand_as(at))[:, :-1]
+            return w.view(*ids.shape, self.in_features)
+        uniq, where = torch.unique(flat, return_inverse=True)
+        w = self._codebook_rows(uniq)
         if self.outliers:  # the weights kept aside in these rows
             pos = self.outlier_index.long()
             row, col = pos // self.in_features, pos % self.in_features
@@ -217,16 +220,12 @@ class PalettizedLinear(CompressedLinear):
             w[at[hit], col[hit]] = self.outlier_value[hit].to(w.dtype)
         return w[where].view(*ids.shape, self.in_features)
 
-    def _decode_rows(self, ids: torch.Tensor) -> torch.Tensor:
+    def _codebook_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` (1-D) as the codebook gives them, outliers not applied."""
         cols = self.in_features // self.cluster_dim
         packed = self.indices.view(self.out_features, -1)[ids]  # a row's indices fill whole bytes (cols % 8 == 0)
         idx = unpack(packed.reshape(-1), self.bits, len(ids) * cols).view(len(ids), cols)
-        w = self.codebook[ids // self.group_size].gather(1, idx[..., None].expand(-1, -1, self.cluster_dim)).flatten(1)
-        if self.outliers:  # every kept-aside weight written to row i where it is in row ids[i], else to a spare column
-            pos = self.outlier_index.long()
-            at = torch.where(pos // self.in_features == ids[:, None], pos % self.in_features, self.in_features)
-            w = F.pad(w, (0, 1)).scatter_(1, at, self.outlier_value.to(w.dtype).expand_as(at))[:, :-1]
-        return w
+        return self.codebook[ids // self.group_size].gather(1, idx[..., None].expand(-1, -1, self.cluster_dim)).flatten(1)
 
     def dense_weight(self) -> torch.Tensor:
         w = dequantize(self.codebook, self.index_matrix(), self.group_size)

@@ -5,12 +5,14 @@ The model really gets shallower (``config.num_hidden_layers`` and per-layer conf
 such as ``layer_types`` follow), so prefill and decode latency drop with the removed depth.
 Attention modules are re-indexed (``layer_idx``) so the KV cache and ``generate()`` work.
 
-Where the windows go and what the one layer holds are options, each a published recipe:
+Where the windows go and what the one layer holds are options, each a published recipe (the
+defaults are the calibrated ones; ``search: false, init: mean, refit: false`` is data-free):
 - ``search``: windows where the hidden state changes least across them, by the angular
   distance between a window's input and output on the calibration text (Gromov et al. 2024,
-  "The Unreasonable Ineffectiveness of the Deeper Layers"); default: just before the last layer.
-- ``init``: ``mean`` of the window's layers (element-wise, LaCo-like merging) or its ``first``
-  layer alone (the others dropped, as ShortGPT and Gromov et al. prune).
+  "The Unreasonable Ineffectiveness of the Deeper Layers"); a ``start`` or ``groups`` given, or
+  ``search: false``, place them as ``merge`` does (default: just before the last layer).
+- ``init``: the window's ``first`` layer alone (the others dropped, as ShortGPT and Gromov et
+  al. prune) or the element-wise ``mean`` of its layers (LaCo-like merging).
 - ``refit``: the kept layer's down projection re-solved by least squares so that the layer
   reproduces the whole window's output on its calibration inputs (the window's FFN output is
   the last thing added to the residual stream, so one linear solve can absorb what the dropped
