@@ -5,18 +5,21 @@ FFN neurons are in arbitrary order in each layer, so averaging raw weights would
 unrelated neurons. First the neurons of every layer in the window are aligned to the
 window's first layer: the correlation of their calibration activations (the inputs of the
 down projection) is matched by the Hungarian algorithm, and each layer's gate/up rows and
-down columns are permuted accordingly (which leaves its function unchanged). Then W_c is
-the one weight that serves every layer best on its own calibration inputs (``base: fit``, as
-cross_layer fits its shared weights; ``mean``: the aligned weights' mean) and A_l B_l the
-truncated SVD of W_l - W_c whitened by the
-layer's input Gram matrix (as SVD-LLM does for whole weights), so the delta keeps what
-matters on the calibration activations; ``whitening: false`` takes the plain SVD. With ``refit``
-the layers are then taken in order and each down projection's delta is solved again on what the
-soft-shared layers before it now feed it: the least-squares weight for the original layer's
-down output (``compensate.LeastSquares``, as cross_layer refits its shared weights), minus the
-shared base, truncated to the delta's rank whitened by those inputs (the truncation that is
-optimal for that same least-squares error). The window's
-position is searched by the calibration loss of the soft-shared model, estimated on
+down columns are permuted accordingly (which leaves its function unchanged). Each delta
+A_l B_l is a truncated SVD of W_l - W_c whitened by the layer's input Gram matrix (as SVD-LLM
+does for whole weights), so it keeps what matters on the calibration activations
+(``whitening: false`` takes the plain SVD). With ``base: fit`` W_c and the deltas are solved
+together for what every layer computes on its own calibration inputs (``shared_plus_deltas``,
+started from the one weight that serves every layer best, as cross_layer fits its shared
+weights); ``mean`` takes the aligned weights' mean. With ``refit``
+the layers are then taken in order and the window's down projections are solved again on what
+the soft-shared layers before each now feed it: each member's least-squares weight for its
+original layer's down output (``compensate.LeastSquares``, as cross_layer refits its shared
+weights) is the target, and the shared base and the members' deltas are solved together for
+those targets (``shared_plus_deltas``: alternating the base's exact solve and each delta's
+truncation whitened by its inputs, both optimal for that least-squares error). The window's
+position is searched by the calibration loss of the soft-shared model (its base fitted but not
+solved with the deltas, which would cost ~20x as much per candidate), estimated on
 ``search_samples`` sequences at ``search_positions`` fixed random positions each (the LM head
 runs on those only: on a 262k vocabulary it would cost more than the rest of the search).
 ``finetune`` (mode ``method``) trains only the deltas, with the Frobenius penalty
@@ -35,7 +38,7 @@ from torch import nn
 from .. import ui
 from ..arch import Arch, Conv1D, discover, get_module, require_unshared, set_module, weight_of
 from ..errors import UsageError
-from ..linalg import low_rank
+from ..linalg import low_rank, ridge_strength
 from ..model import model_device
 from ..offload import offload_of
 from ..modules import CompressedLinear, register_module
@@ -91,38 +94,48 @@ class SoftShareConfig(StageConfig):
     search_positions: int = Field(64, ge=1, description="next-token predictions scored per sequence (a fixed "
                                                        "random subset: the LM head runs on these only)")
     samples_per_batch: int = Field(256, ge=8, description="token rows per calibration batch used to correlate neurons")
-    base: Literal["fit", "mean"] = Field("fit", description="each projection's shared weight: fit (default; as "
-                                         "cross_layer's init: fit, the one weight that serves every layer of the "
-                                         "window best on its own calibration inputs; on the protocol's layers 13-16 "
+    base: Literal["fit", "mean"] = Field("fit", description="each projection's shared weight: fit (default; "
+                                         "solved together with the deltas for what every layer of the window "
+                                         "computes on its own calibration inputs; on the protocol's layers 13-16 "
                                          "it won on wiki.test and brown.txt) or mean (of the aligned weights)")
     whitening: bool = Field(True, description="true (default): deltas by whitened SVD on each layer's input Gram "
                                               "(activation-aware); false: plain SVD of W_l - W_c. On the protocol the "
                                               "whitened deltas won on wiki.test and on brown.txt")
-    refit: bool = Field(True, description="re-solve each down projection's delta, layers in order, on the "
-                                          "soft-shared model's own activations (one more pass over the calibration "
-                                          "set); on the protocol it won on wiki.test and on brown.txt")
+    refit: bool = Field(True, description="re-solve the down projections (the shared base and every delta), "
+                                          "layers in order, on the soft-shared model's own activations (one more "
+                                          "pass over the calibration set); on the protocol it won on wiki.test and "
+                                          "on brown.txt")
 
 
 @torch.no_grad()
 def soft_modules(weights: list[dict[str, Weights]], rank: int, grams: list[dict[str, torch.Tensor]] | None = None,
-                 base: Literal["fit", "mean"] = "mean", whitening: bool = True) -> list[dict[str, LowRankDeltaLinear]]:
-    """One LowRankDeltaLinear per layer and role: the role's shared base W_c is the mean of the
-    window's aligned weights or (``fit``, needs ``grams``) the weight fitted to every layer's
-    inputs as cross_layer's ``init: fit`` fits it; each delta is the rank-``rank`` truncated SVD
-    of W_l - W_c, whitened by the layer's input Gram matrix for that role (``grams`` given and ``whitening``)."""
+                 base: Literal["fit", "mean"] = "mean", whitening: bool = True,
+                 joint: bool = True) -> list[dict[str, LowRankDeltaLinear]]:
+    """One LowRankDeltaLinear per layer and role. ``mean``: the role's shared base W_c is the
+    mean of the window's aligned weights and each delta the rank-``rank`` truncated SVD of
+    W_l - W_c, whitened by the layer's input Gram matrix for that role (``grams`` given and
+    ``whitening``). ``fit`` (needs ``grams``): the base is fitted to every layer's inputs as
+    cross_layer's ``init: fit`` fits it and, with ``whitening`` and ``joint``, then solved
+    together with the deltas for what each layer computes on its inputs (``shared_plus_deltas``,
+    metric G_l + λ·I; ~20x the cost of the rest, so the window search goes without)."""
     out: list[dict[str, LowRankDeltaLinear]] = [{} for _ in weights]
     for role in weights[0]:
         ws = [w[role][0] for w in weights]
         dtype, device = ws[0].dtype, ws[0].device
-        center = torch.stack([w.float() for w in ws]).mean(0)
+        center = torch.stack([w.double() for w in ws]).mean(0)
+        r = min(rank, *center.shape)
         if base == "fit":
-            center = fitted_weight(ws, [g[role] for g in grams], center).float()
+            center = fitted_weight(ws, [g[role] for g in grams], center)
+        if base == "fit" and whitening and joint:
+            metrics = [g[role].double().to(device) for g in grams]
+            metrics = [h + ridge_strength(h, FIT_RIDGE) * torch.eye(h.shape[0], dtype=h.dtype, device=device) for h in metrics]
+            center, factors = shared_plus_deltas([w.double() for w in ws], metrics, r, center)
+        else:
+            factors = [low_rank(w.double() - center, r, g[role] if grams and whitening else None)[:2]
+                       for w, g in zip(ws, grams or [None] * len(ws))]
         shared = nn.Linear(center.shape[1], center.shape[0], bias=False, device=device, dtype=dtype)
         shared.weight.copy_(center)
-        r = min(rank, *center.shape)
-        for layer, w in enumerate(ws):
-            delta = w.double() - center
-            left, right = low_rank(delta, r, grams[layer][role] if grams and whitening else None)[:2]  # balanced factors
+        for layer, (left, right) in enumerate(factors):  # balanced factors
             bias = weights[layer][role][1]
             module = LowRankDeltaLinear(center.shape[1], center.shape[0], r, bias is not None).to(device=device, dtype=dtype)
             module.base = shared
@@ -149,8 +162,9 @@ class Planner:
             self._perms[(ref, i)] = alignment(self.acts[ref], self.acts[i])
         return self._perms[(ref, i)]
 
-    def build(self, start: int, window: int) -> dict[str, nn.Module]:
-        """Module name -> new module for every FFN projection of layers start..start+window-1."""
+    def build(self, start: int, window: int, joint: bool = True) -> dict[str, nn.Module]:
+        """Module name -> new module for every FFN projection of layers start..start+window-1
+        (``joint``: see ``soft_modules``)."""
         layers = range(start, start + window)
         weights = [aligned_weights(self.arch, i, self.perm(start, i)) for i in layers]
         grams = None
@@ -159,7 +173,7 @@ class Planner:
                       for role, name in ffn_names(self.arch, i, "soft_share").items()}
                      for i in layers for p in [self.perm(start, i)]]
         out = {}
-        for i, modules in zip(layers, soft_modules(weights, self.rank, grams, self.base, self.whitening)):
+        for i, modules in zip(layers, soft_modules(weights, self.rank, grams, self.base, self.whitening, joint)):
             names = ffn_names(self.arch, i, "soft_share")
             for role, m in modules.items():
                 m.conv1d = isinstance(get_module(self.arch.model, names[role]), Conv1D)
@@ -183,13 +197,37 @@ def sampled_nll(model: nn.Module, batches: list[torch.Tensor], positions: torch.
 
 
 @torch.no_grad()
+def shared_plus_deltas(targets: list[torch.Tensor], metrics: list[torch.Tensor], rank: int, base: torch.Tensor,
+                       iters: int = 20, tol: float = 1e-4) -> tuple[torch.Tensor, list]:
+    """min over C and rank-``rank`` Δ_j of Σ_j tr((C + Δ_j − M_j)·H_j·(C + Δ_j − M_j)ᵀ): the one
+    base and the per-layer deltas that best serve each layer's least-squares weight M_j in its
+    metric H_j. Alternates the two exact minimisers from ``base``: each Δ_j the H_j-whitened
+    truncation of M_j − C, then C = Σ(M_j − Δ_j)·H_j·(Σ H_j)⁻¹; so the loss never rises above
+    that of the deltas alone refit around ``base``. Stops when C moves by less than ``tol``
+    (relative). Float64; returns C and the deltas' (A_j, B_j)."""
+    total = torch.linalg.cholesky(sum(metrics))
+    fixed = sum(m @ h for m, h in zip(targets, metrics))
+    c = base.double()
+    for _ in range(iters):
+        factors = [low_rank(m - c, rank, h)[:2] for m, h in zip(targets, metrics)]
+        new = torch.cholesky_solve((fixed - sum(a @ (b @ h) for (a, b), h in zip(factors, metrics))).T, total).T
+        moved = (new - c).norm() / c.norm().clamp_min(1e-30)
+        c = new
+        if moved < tol:
+            break
+    return c, factors
+
+
+@torch.no_grad()
 def refit_deltas(model: nn.Module, arch: Arch, originals: dict[int, dict[str, nn.Module]], ctx) -> None:
-    """Layers in order: each soft-shared down projection's delta re-solved for the original
-    layer's down output on the inputs it now reads (``originals``: layer -> name -> the
-    module it replaced)."""
+    """Layers in order: each window's down projections (shared base and every delta so far)
+    re-solved for the original layers' down outputs on the inputs they now read (``originals``:
+    layer -> name -> the module it replaced), by ``shared_plus_deltas`` over the window's
+    members so far, so the last member's solve uses them all (as cross_layer's refit)."""
     last = max(originals)
     dtype = ctx.dtype(model)
-    for i, layer, inputs in layerwise(model, ctx.calibration(), arch, "soft_share: refitting deltas", dtype):
+    members: dict[int, list[tuple[LowRankDeltaLinear, torch.Tensor, torch.Tensor]]] = {}  # base -> (module, M, H)
+    for i, layer, inputs in layerwise(model, ctx.calibration(), arch, "soft_share: refitting the down projections", dtype):
         if i in originals:
             name = ffn_names(arch, i, "soft_share")["down"]
             now = {n: get_module(model, n) for n in originals[i]}
@@ -198,10 +236,14 @@ def refit_deltas(model: nn.Module, arch: Arch, originals: dict[int, dict[str, nn
             module = now[name]
             fit = LeastSquares(module.dense_weight(), FIT_RIDGE)
             fit.add(weight_of(originals[i][name]), module_inputs(layer, inputs, module, dtype), reference)
-            delta = fit.solve() - module.base.weight.double()
-            left, right = low_rank(delta, module.rank, fit.gram)[:2]
-            module.a.copy_(left)
-            module.b.copy_(right)
+            window = members.setdefault(id(module.base), [])
+            window.append((module, fit.solve(), fit.metric()))
+            base, factors = shared_plus_deltas([m for _, m, _ in window], [h for _, _, h in window], module.rank,
+                                               module.base.weight)
+            module.base.weight.copy_(base)
+            for (member, _, _), (left, right) in zip(window, factors):
+                member.a.copy_(left)
+                member.b.copy_(right)
         if i == last:
             break  # the layers after the windows need no outputs
 
@@ -216,14 +258,15 @@ def place(model: nn.Module, modules: dict[str, nn.Module]) -> dict[str, nn.Modul
 
 def search(model: nn.Module, planner: Planner, candidates: list[int], window: int, batches: list[torch.Tensor],
            positions: torch.Tensor) -> tuple[int, dict[int, float]]:
-    """The start whose window, soft-shared, gives the lowest sampled calibration NLL (model
-    restored). Each candidate runs from its first layer on, fed the cached hidden states."""
+    """The start whose window, soft-shared (without the joint solve), gives the lowest sampled
+    calibration NLL (model restored). Each candidate runs from its first layer on, fed the
+    cached hidden states."""
     arch = planner.arch
     entering = {i: inputs.hidden for i, _layer, inputs in layerwise(model, batches, arch, "soft_share: caching inputs")
                 if i in candidates}
     scores = {}
     for start in ui.track(candidates, "soft_share: searching the window"):
-        old = place(model, planner.build(start, window))
+        old = place(model, planner.build(start, window, joint=False))
         with start_at(arch, start, entering[start]):
             scores[start] = sampled_nll(model, batches, positions)
         place(model, old)
