@@ -26,7 +26,7 @@ demo: install
 	$(VENV)/bin/wscompress run configs/demo.yaml
 
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=10
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow"
