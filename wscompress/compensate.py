@@ -46,7 +46,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .arch import Arch, get_module, replace_everywhere, set_module, weight_of
 from .calibrate import LayerInputs, Stub, computing_in, layerwise, run_layer
-from .linalg import add_gram, add_product, refit_coefficients, ridge_strength, solve_coefficients, symmetrize
+from .linalg import add_gram, add_product, refit_coefficients, ridged, solve_coefficients, symmetrize
 from .offload import offload_of
 
 Target = Literal["function", "layer", "model"]
@@ -135,8 +135,7 @@ class LeastSquares:
     def metric(self) -> torch.Tensor:
         """H = X'ᵀX' + λ·I, which measures any weight's loss above the solution's, the ridge
         term included: loss(W) − loss(solve()) = tr((W − M)·H·(W − M)ᵀ)."""
-        gram = symmetrize(self.gram)
-        return gram + ridge_strength(gram, self.ridge) * torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)
+        return ridged(symmetrize(self.gram), self.ridge)[0]
 
 
 class _Saved(Stub):

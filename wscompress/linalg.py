@@ -182,18 +182,19 @@ def refit_coefficients(w: torch.Tensor, basis: torch.Tensor, gram: torch.Tensor,
     return solve_coefficients(basis @ gb, r, ridge, prior)
 
 
-def ridge_strength(a: torch.Tensor, ridge: float) -> torch.Tensor:
-    """λ = ``ridge`` · tr(A)/k, with a tiny floor that keeps a rank-deficient solve defined."""
-    return max(ridge, 1e-10) * a.diagonal().mean().clamp_min(1e-12)
+def ridged(a: torch.Tensor, ridge: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A + λ·I, λ) with λ = ``ridge`` · tr(A)/k: a ridge least-squares loss's quadratic form.
+    A tiny floor keeps a rank-deficient solve defined."""
+    lam = max(ridge, 1e-10) * a.diagonal().mean().clamp_min(1e-12)
+    return a + lam * torch.eye(a.shape[0], dtype=a.dtype, device=a.device), lam
 
 
 def solve_coefficients(a: torch.Tensor, r: torch.Tensor, ridge: float = 0.0, prior: torch.Tensor | None = None) -> torch.Tensor:
     """C = (R + λ·C₀)·(A + λ·I)⁻¹ from the normal equations of a coefficient refit,
-    A = B·X'ᵀX'·Bᵀ (k, k) and R = W·XᵀX'·Bᵀ (out, k). λ = ``ridge`` · tr(A)/k pulls toward
-    ``prior`` C₀ (default 0), ``ridge_strength``."""
-    a, r = a.double(), r.double()
-    lam = ridge_strength(a, ridge)
+    A = B·X'ᵀX'·Bᵀ (k, k) and R = W·XᵀX'·Bᵀ (out, k). λ (``ridged``) pulls toward ``prior`` C₀
+    (default 0)."""
+    a, lam = ridged(a.double(), ridge)
+    r = r.double()
     if prior is not None:
         r = r + lam * prior.double()
-    a = a + lam * torch.eye(a.shape[0], dtype=a.dtype, device=a.device)
     return torch.linalg.solve(a, r.T).T

@@ -38,7 +38,7 @@ from torch import nn
 from .. import ui
 from ..arch import Arch, Conv1D, discover, get_module, require_unshared, set_module, weight_of
 from ..errors import UsageError
-from ..linalg import low_rank, ridge_strength
+from ..linalg import low_rank, ridged
 from ..model import model_device
 from ..offload import offload_of
 from ..modules import CompressedLinear, register_module
@@ -127,8 +127,7 @@ def soft_modules(weights: list[dict[str, Weights]], rank: int, grams: list[dict[
         if base == "fit":
             center = fitted_weight(ws, [g[role] for g in grams], center)
         if base == "fit" and whitening and joint:
-            metrics = [g[role].double().to(device) for g in grams]
-            metrics = [h + ridge_strength(h, FIT_RIDGE) * torch.eye(h.shape[0], dtype=h.dtype, device=device) for h in metrics]
+            metrics = [ridged(g[role].double().to(device), FIT_RIDGE)[0] for g in grams]
             center, factors = shared_plus_deltas([w.double() for w in ws], metrics, r, center)
         else:
             factors = [low_rank(w.double() - center, r, g[role] if grams and whitening else None)[:2]
@@ -219,7 +218,7 @@ def shared_plus_deltas(targets: list[torch.Tensor], metrics: list[torch.Tensor],
 
 
 @torch.no_grad()
-def refit_deltas(model: nn.Module, arch: Arch, originals: dict[int, dict[str, nn.Module]], ctx) -> None:
+def refit_down_projections(model: nn.Module, arch: Arch, originals: dict[int, dict[str, nn.Module]], ctx) -> None:
     """Layers in order: each window's down projections (shared base and every delta so far)
     re-solved for the original layers' down outputs on the inputs they now read (``originals``:
     layer -> name -> the module it replaced), by ``shared_plus_deltas`` over the window's
@@ -315,7 +314,7 @@ def apply(model, cfg: SoftShareConfig, ctx) -> dict:
     if cfg.refit:
         by_layer = {i: {n: originals[n] for n in ffn_names(arch, i, "soft_share").values()}
                     for s in starts for i in range(s, s + cfg.window)}
-        refit_deltas(model, arch, by_layer, ctx)
+        refit_down_projections(model, arch, by_layer, ctx)
     return {"windows": [list(range(s, s + cfg.window)) for s in starts], "rank": cfg.rank, "base": cfg.base,
             "whitening": cfg.whitening, "refit": cfg.refit,
             "search_nll": {str(k): round(v, 4) for k, v in scores.items()}}
