@@ -219,3 +219,13 @@ def test_layer_inputs_equal_the_full_models_hidden_states(kind):
                                                  for b in batches(seq_len=16)))]
     for i, _layer, inputs in calibrate.layerwise(model, batches(seq_len=16)):
         torch.testing.assert_close(torch.cat(inputs.hidden), reference[i], rtol=1e-5, atol=1e-5, msg=f"layer {i}")
+    # started at layer 2 with what enters it, every later layer gets the same inputs (and layer 2 the
+    # given ones), its own arguments included
+    entering = list(reference[2].split(batches(seq_len=16)[0].shape[0]))
+    seen = []
+    for i, _layer, inputs in calibrate.layerwise(model, batches(seq_len=16), first=2, hidden=entering):
+        seen.append(i)
+        torch.testing.assert_close(torch.cat(inputs.hidden), reference[i], rtol=1e-5, atol=1e-5, msg=f"layer {i}")
+    assert seen == list(range(2, len(reference) - 1))
+    with pytest.raises(ValueError, match="hidden states entering"):
+        next(calibrate.layerwise(model, batches(seq_len=16), first=2))

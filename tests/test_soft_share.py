@@ -1,5 +1,7 @@
 """soft_share: neuron alignment, shared FFN base per window plus low-rank deltas, finetuning."""
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -266,3 +268,34 @@ def test_shared_plus_deltas_never_loses_to_the_deltas_alone():
     assert loss(c, factors) < 0.9 * alone
     c, factors = shared_plus_deltas(targets, metrics, 6, base)
     assert loss(c, factors) < 1e-12 * alone
+
+
+def test_search_scores_each_window_after_its_refit(tokenizer):
+    """With refit the search refits every candidate's down projections (one alternation) on
+    the calibration sequences after the scored ones, from their cached inputs, before scoring:
+    each score equals the sampled NLL of that window built and refit from scratch, which is
+    not the unrefit window's."""
+    from wscompress.calibrate import layerwise
+    from wscompress.methods.soft_share import Planner, place, refit_down_projections, sampled_nll
+    from wscompress.sharing import sample_inputs
+
+    model, ctx = tiny_model("llama", layers=5), Calibration(tokenizer)
+    row = soft_share(model, tokenizer, window=2, rank=2, search_samples=2, search_fit_samples=2, refit=False)
+    unrefit = row["search_nll"]
+    model = tiny_model("llama", layers=5)
+    row = soft_share(copy.deepcopy(model), tokenizer, window=2, rank=2, search_samples=2, search_fit_samples=2)
+    assert set(row["search_nll"]) == {"0", "1", "2", "3"}
+    (scored, fit), arch = ctx.batches, discover(model)  # batches of 2 sequences
+    names = [n for i in range(5) for n in ffn_names(arch, i, "soft_share").values()]
+    planner = Planner(arch, sample_inputs(model, arch, ctx.batches, "down", 256), 2, ctx.stats(model, names), "fit")
+    positions = torch.randperm(31, generator=torch.Generator().manual_seed(0))[:64].sort().values
+    moved = []
+    for start in range(4):
+        old = place(model, planner.build(start, 2, joint=False))
+        members = {i: {n: old[n] for n in ffn_names(arch, i, "soft_share").values()} for i in (start, start + 1)}
+        refit_down_projections(model, arch, members, layerwise(model, [fit], arch), None, iters=1)
+        score = sampled_nll(model, [scored], positions)
+        place(model, old)
+        assert row["search_nll"][str(start)] == pytest.approx(score, abs=2e-4)
+        moved.append(abs(score - unrefit[str(start)]))
+    assert max(moved) > 5e-4  # the scores are rounded to 1e-4; a random tiny model is near-uniform

@@ -197,8 +197,11 @@ def run_layer(layer: nn.Module, inputs: LayerInputs,
 
 
 def layerwise(model: nn.Module, batches: list[torch.Tensor], arch: Arch | None = None,
-              label: str = "calibration layers", dtype: torch.dtype | None = None) -> Iterator[tuple[int, nn.Module, LayerInputs]]:
-    """Yield (index, layer, its inputs) for each decoder layer in order, the layer onloaded.
+              label: str = "calibration layers", dtype: torch.dtype | None = None, first: int = 0,
+              hidden: list[torch.Tensor] | None = None) -> Iterator[tuple[int, nn.Module, LayerInputs]]:
+    """Yield (index, layer, its inputs) for each decoder layer in order, the layer onloaded;
+    from layer ``first`` on when given ``hidden``, what enters it (one tensor a batch, cached
+    by an earlier pass over the same batches), so the layers before it need not run again.
 
     The caller may observe the layer (hooks) or even replace its weights while it holds it;
     after the caller's step the layer runs on the inputs to produce the next layer's inputs,
@@ -209,8 +212,11 @@ def layerwise(model: nn.Module, batches: list[torch.Tensor], arch: Arch | None =
     """
     arch = arch or discover(model)
     offload = offload_of(model)
-    hidden, calls = capture_inputs(model, arch, batches, dtype)
-    for i in ui.track(range(arch.num_layers), label):
+    if first and hidden is None:
+        raise ValueError(f"layerwise from layer {first} needs the hidden states entering it")
+    entering, calls = capture_inputs(model, arch, batches, dtype)
+    hidden = entering if hidden is None else in_dtype(hidden, dtype)
+    for i in ui.track(range(first, arch.num_layers), label):
         with offload.onload([i]):
             layer, inputs = arch.layers[i], LayerInputs(hidden, calls[i])
             yield i, layer, inputs
