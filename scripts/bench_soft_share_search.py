@@ -3,11 +3,18 @@
 1. SmolLM2-135M: the stage's search (``search_samples`` sequences, LM head on
    ``search_positions`` positions each) next to the exact search (full calibration NLL of every
    candidate window): the window each picks, their top 5 and the time.
+   Both score windows as built before any refit (``refit: false``, ``base: mean``, plain deltas).
 2. A Gemma-3-270M-shaped model (18 layers, hidden 640, 262 144-token vocabulary, random
    weights built from a config: nothing is downloaded): the whole soft_share stage with the
    default calibration (32 x 512 tokens), timed.
+3. The search with the defaults (``refit: true``) on the protocol's calibration set
+   (configs/protocol.yaml, 64 x 512): its scores with each candidate refit before it is
+   scored (``search_fit_samples``, the default) and without (``search_fit_samples: 0``, the
+   search before), and what each pick is worth: the window built and refit as the stage does,
+   its NLL on 12 windows of wiki.train.txt that no calibration window overlaps, above the
+   dense model's.
 
-Usage: python scripts/bench_soft_share_search.py [--window 4] [--rank 8] [--skip exact gemma]
+Usage: python scripts/bench_soft_share_search.py [--window 4] [--rank 8] [--skip exact gemma refit]
 """
 
 from __future__ import annotations
@@ -67,9 +74,10 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--samples", type=int, default=8, help="calibration sequences for the SmolLM2 comparison")
     parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--skip", nargs="*", default=[], choices=["exact", "gemma"])
+    parser.add_argument("--skip", nargs="*", default=[], choices=["exact", "gemma", "refit"])
     args = parser.parse_args()
-    stage = {"method": "soft_share", "window": args.window, "rank": args.rank}
+    stage = {"method": "soft_share", "window": args.window, "rank": args.rank, "refit": False, "base": "mean",
+             "whitening": False}  # what exact_search builds
     calibration = {"dataset": WIKI_TRAIN, "num_samples": args.samples, "seq_len": args.seq_len, "batch_size": 4}
 
     model, tok = load(str(builtin_dir("smollm2-135m-instruct")))
@@ -89,9 +97,77 @@ def main() -> None:
     if "gemma" not in args.skip:
         gemma, gtok = gemma_270m_shaped()
         start = time.perf_counter()
-        (row,) = wscompress.compress(gemma, [stage], gtok, {"dataset": WIKI_TRAIN})  # default: 32 x 512
+        (row,) = wscompress.compress(gemma, [{"method": "soft_share", "window": args.window, "rank": args.rank}],
+                                     gtok, {"dataset": WIKI_TRAIN})  # default: 32 x 512
         print(f"\nGemma-3-270M-shaped (random weights, vocab 262 144), default calibration 32 x 512: whole soft_share "
               f"stage {time.perf_counter() - start:.0f} s, window {row['windows'][0]}")
+
+    if "refit" not in args.skip:
+        refit_search(model, tok)
+
+
+def refit_search(model, tok) -> None:
+    """Section 3: the default search with and without each candidate's refit, and the held-out
+    NLL of each pick once built and refit as the stage does."""
+    import random
+
+    import torch.nn.functional as F
+
+    from wscompress.arch import discover
+    from wscompress.calibrate import layerwise, start_at
+    from wscompress.methods.soft_share import SoftShareConfig, Planner, place, refit_down_projections, search
+    from wscompress.recipe import load_recipe
+    from wscompress.sharing import ffn_names, sample_inputs
+    from wscompress.workflow import Context
+
+    recipe = load_recipe(Path(__file__).resolve().parents[1] / "configs" / "protocol.yaml")
+    ctx, cfg, arch = Context(recipe, tok), SoftShareConfig(), discover(model)
+    batches, dtype = ctx.calibration(), ctx.dtype(model)
+    names = [n for i in range(arch.num_layers) for n in ffn_names(arch, i, "soft_share").values()]
+    planner = Planner(arch, sample_inputs(model, arch, batches, "down", cfg.samples_per_batch), cfg.rank,
+                      ctx.stats(model, names), cfg.base, cfg.whitening)
+    rows, size = torch.cat(batches), batches[0].shape[0]
+    scored = list(rows[: cfg.search_samples].split(size))
+    fit = list(rows[cfg.search_samples: cfg.search_samples + cfg.search_fit_samples].split(size))
+    gen = torch.Generator().manual_seed(0)  # the positions the stage scores
+    positions = torch.randperm(rows.shape[1] - 1, generator=gen)[: cfg.search_positions].sort().values
+    candidates = list(range(arch.num_layers - cfg.window + 1))
+    picks = {}
+    for label, refit in ((f"refit on {cfg.search_fit_samples} sequences (default)", fit), ("unrefit (before)", None)):
+        start = time.perf_counter()
+        best, scores = search(model, planner, candidates, cfg.window, scored, positions, refit, dtype)
+        picks[label] = (best, sorted(scores, key=scores.get)[:5], time.perf_counter() - start)
+
+    # held-out text: the calibration set's GPTQ sampler draws 64 windows; take 12 others that overlap none
+    c = recipe.calibration
+    ids = data.tokenize(tok, c.dataset)
+    random.seed(c.seed)
+    drawn = [random.randint(0, len(ids) - c.seq_len - 1) for _ in range(c.num_samples)]
+    free = [w for w in range(0, len(ids) - c.seq_len, c.seq_len)
+            if all(w + c.seq_len <= d or d + c.seq_len <= w for d in drawn)]
+    held = torch.stack([ids[w: w + c.seq_len] for w in free[:: len(free) // 12][:12]]).split(4)
+
+    @torch.no_grad()
+    def nll() -> float:
+        return sum(F.cross_entropy(model(input_ids=b).logits[:, :-1].flatten(0, 1), b[:, 1:].flatten()).item()
+                   for b in held) / len(held)
+
+    dense = nll()
+    worth = {}
+    for best, _, _ in picks.values():
+        if best not in worth:
+            old = place(model, planner.build(best, cfg.window))
+            unrefit = nll() - dense
+            members = {i: {n: old[n] for n in ffn_names(arch, i, "soft_share").values()}
+                       for i in range(best, best + cfg.window)}
+            refit_down_projections(model, arch, members, layerwise(model, batches, arch, "refit", dtype), dtype)
+            worth[best] = (unrefit, nll() - dense)
+            place(model, old)
+    print("\n| search (protocol calibration, defaults) | window | top 5 | search s | held-out NLL above dense: "
+          "built, unrefit | built + refit (the stage's result) |\n|---|---|---|---|---|---|")
+    for label, (best, top, seconds) in picks.items():
+        print(f"| {label} | {best}-{best + cfg.window - 1} | {top} | {seconds:.0f} | {worth[best][0]:.4f} "
+              f"| {worth[best][1]:.4f} |")
 
 
 if __name__ == "__main__":

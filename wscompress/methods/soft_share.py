@@ -19,7 +19,8 @@ weights) is the target, and the shared base and the members' deltas are solved t
 those targets (``shared_plus_deltas``: alternating the base's exact solve and each delta's
 truncation whitened by its inputs, both optimal for that least-squares error). The window's
 position is searched by the calibration loss of the soft-shared model (its base fitted but not
-solved with the deltas, which would cost ~20x as much per candidate), estimated on
+solved with the deltas, which would cost ~20x as much per candidate; with ``refit``, its down
+projections refit on ``search_fit_samples`` other sequences first), estimated on
 ``search_samples`` sequences at ``search_positions`` fixed random positions each (the LM head
 runs on those only: on a 262k vocabulary it would cost more than the rest of the search).
 ``finetune`` (mode ``method``) trains only the deltas, with the Frobenius penalty
@@ -266,8 +267,8 @@ def search(model: nn.Module, planner: Planner, candidates: list[int], window: in
     batches (model restored). Each candidate is built without the joint solve and, given
     ``fit`` batches (other calibration sequences than the scored ones), its down projections
     are refit on them with one alternation: the refit is what decides the result (on the
-    protocol it cuts one window's loss by 70 % and another's by 35 %), so a search before it
-    picks the wrong window. One pass of the original model brings every batch to each
+    protocol's held-out text it cuts layers 15-18's loss above dense by 80 %, layers 2-5's by
+    28 %), so a search before it picks the wrong window. One pass of the original model brings every batch to each
     candidate's first layer in turn; a candidate runs from there."""
     arch = planner.arch
     scores = {}
@@ -317,7 +318,8 @@ def apply(model, cfg: SoftShareConfig, ctx) -> dict:
         starts = []
         rows = torch.cat(batches)
         scored = list(rows[: cfg.search_samples].split(batches[0].shape[0]))
-        fit = list(rows[cfg.search_samples: cfg.search_samples + cfg.search_fit_samples].split(batches[0].shape[0]))
+        fit = [b for b in rows[cfg.search_samples: cfg.search_samples + cfg.search_fit_samples].split(batches[0].shape[0])
+               if len(b)]  # none when the calibration set has no sequences beyond the scored ones
         gen = torch.Generator().manual_seed(0)
         positions = torch.randperm(rows.shape[1] - 1, generator=gen)[: cfg.search_positions].sort().values
         for _ in range(cfg.num_windows):
