@@ -36,7 +36,6 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
 
-from .. import ui
 from ..arch import Arch, Conv1D, discover, get_module, require_unshared, set_module, weight_of
 from ..errors import UsageError
 from ..linalg import low_rank, ridged
@@ -268,8 +267,9 @@ def search(model: nn.Module, planner: Planner, candidates: list[int], window: in
     ``fit`` batches (other calibration sequences than the scored ones), its down projections
     are refit on them with one alternation: the refit is what decides the result (on the
     protocol's held-out text it cuts layers 15-18's loss above dense by 80 %, layers 2-5's by
-    28 %), so a search before it picks the wrong window. One pass of the original model brings every batch to each
-    candidate's first layer in turn; a candidate runs from there."""
+    28 %), so a search before it picks the wrong window. One pass of the original model brings
+    every batch to each candidate's first layer in turn (memory: one layer's hidden states);
+    a candidate runs from there."""
     arch = planner.arch
     scores = {}
     batches = scored + (fit or [])
