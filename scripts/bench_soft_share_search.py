@@ -115,7 +115,8 @@ def refit_search(model, tok) -> None:
 
     from wscompress.arch import discover
     from wscompress.calibrate import layerwise, start_at
-    from wscompress.methods.soft_share import SoftShareConfig, Planner, place, refit_down_projections, search
+    from wscompress.methods.soft_share import (Planner, SoftShareConfig, by_layer, place, refit_down_projections, search,
+                                               search_batches)
     from wscompress.recipe import load_recipe
     from wscompress.sharing import ffn_names, sample_inputs
     from wscompress.workflow import Context
@@ -126,14 +127,10 @@ def refit_search(model, tok) -> None:
     names = [n for i in range(arch.num_layers) for n in ffn_names(arch, i, "soft_share").values()]
     planner = Planner(arch, sample_inputs(model, arch, batches, "down", cfg.samples_per_batch), cfg.rank,
                       ctx.stats(model, names), cfg.base, cfg.whitening)
-    rows, size = torch.cat(batches), batches[0].shape[0]
-    scored = list(rows[: cfg.search_samples].split(size))
-    fit = list(rows[cfg.search_samples: cfg.search_samples + cfg.search_fit_samples].split(size))
-    gen = torch.Generator().manual_seed(0)  # the positions the stage scores
-    positions = torch.randperm(rows.shape[1] - 1, generator=gen)[: cfg.search_positions].sort().values
+    scored, fit, positions = search_batches(cfg, batches)  # what the stage scores and refits on
     candidates = list(range(arch.num_layers - cfg.window + 1))
     picks = {}
-    for label, refit in ((f"refit on {cfg.search_fit_samples} sequences (default)", fit), ("unrefit (before)", None)):
+    for label, refit in ((f"refit on {cfg.search_fit_samples} sequences (default)", fit), ("unrefit (before)", [])):
         start = time.perf_counter()
         best, scores = search(model, planner, candidates, cfg.window, scored, positions, refit, dtype)
         picks[label] = (best, sorted(scores, key=scores.get)[:5], time.perf_counter() - start)
@@ -158,8 +155,7 @@ def refit_search(model, tok) -> None:
         if best not in worth:
             old = place(model, planner.build(best, cfg.window))
             unrefit = nll() - dense
-            members = {i: {n: old[n] for n in ffn_names(arch, i, "soft_share").values()}
-                       for i in range(best, best + cfg.window)}
+            members = by_layer(arch, old, range(best, best + cfg.window))
             refit_down_projections(model, arch, members, layerwise(model, batches, arch, "refit", dtype), dtype)
             worth[best] = (unrefit, nll() - dense)
             place(model, old)

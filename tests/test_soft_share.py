@@ -276,7 +276,7 @@ def test_search_scores_each_window_after_its_refit(tokenizer):
     each score equals the sampled NLL of that window built and refit from scratch, which is
     not the unrefit window's."""
     from wscompress.calibrate import layerwise
-    from wscompress.methods.soft_share import Planner, place, refit_down_projections, sampled_nll
+    from wscompress.methods.soft_share import Planner, by_layer, place, refit_down_projections, sampled_nll
     from wscompress.sharing import sample_inputs
 
     model, ctx = tiny_model("llama", layers=5), Calibration(tokenizer)
@@ -292,8 +292,8 @@ def test_search_scores_each_window_after_its_refit(tokenizer):
     moved = []
     for start in range(4):
         old = place(model, planner.build(start, 2, joint=False))
-        members = {i: {n: old[n] for n in ffn_names(arch, i, "soft_share").values()} for i in (start, start + 1)}
-        refit_down_projections(model, arch, members, layerwise(model, [fit], arch), None, iters=1)
+        refit_down_projections(model, arch, by_layer(arch, old, (start, start + 1)), layerwise(model, [fit], arch), None,
+                               iters=1)
         score = sampled_nll(model, [scored], positions)
         place(model, old)
         assert row["search_nll"][str(start)] == pytest.approx(score, abs=2e-4)

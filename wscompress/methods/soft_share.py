@@ -260,30 +260,47 @@ def place(model: nn.Module, modules: dict[str, nn.Module]) -> dict[str, nn.Modul
     return old
 
 
+def by_layer(arch: Arch, replaced: dict[str, nn.Module], layers: range | list[int]) -> dict[int, dict[str, nn.Module]]:
+    """Layer -> name -> the module ``place`` replaced, for the FFN projections of ``layers``
+    (what ``refit_down_projections`` takes)."""
+    return {i: {n: replaced[n] for n in ffn_names(arch, i, "soft_share").values()} for i in layers}
+
+
+def search_batches(cfg: SoftShareConfig, batches: list[torch.Tensor]) -> tuple[list, list, torch.Tensor]:
+    """What the search scores on (the first ``search_samples`` sequences, at ``search_positions``
+    fixed random positions) and the batches each candidate is refit on first: the next
+    ``search_fit_samples`` sequences with ``refit`` (none without, or when the calibration set
+    has no sequences beyond the scored ones)."""
+    rows, size = torch.cat(batches), batches[0].shape[0]
+    scored = list(rows[: cfg.search_samples].split(size))
+    fit = [b for b in rows[cfg.search_samples: cfg.search_samples + cfg.search_fit_samples].split(size) if len(b)]
+    gen = torch.Generator().manual_seed(0)
+    positions = torch.randperm(rows.shape[1] - 1, generator=gen)[: cfg.search_positions].sort().values
+    return scored, fit if cfg.refit else [], positions
+
+
 def search(model: nn.Module, planner: Planner, candidates: list[int], window: int, scored: list[torch.Tensor],
-           positions: torch.Tensor, fit: list[torch.Tensor] | None, dtype: torch.dtype) -> tuple[int, dict[int, float]]:
+           positions: torch.Tensor, fit: list[torch.Tensor], dtype: torch.dtype) -> tuple[int, dict[int, float]]:
     """The start whose window, soft-shared, gives the lowest sampled NLL on the ``scored``
     batches (model restored). Each candidate is built without the joint solve and, given
-    ``fit`` batches (other calibration sequences than the scored ones), its down projections
-    are refit on them with one alternation: the refit is what decides the result (on the
+    ``fit`` batches (other calibration sequences than the scored ones; none: scored unrefit),
+    its down projections are refit on them with one alternation: the refit is what decides the result (on the
     protocol's held-out text it cuts layers 15-18's loss above dense by 80 %, layers 2-5's by
     28 %), so a search before it picks the wrong window. One pass of the original model brings
     every batch to each candidate's first layer in turn (memory: one layer's hidden states);
     a candidate runs from there."""
     arch = planner.arch
     scores = {}
-    batches = scored + (fit or [])
-    for i, _layer, inputs in layerwise(model, batches, arch, "soft_share: searching the window"):
+    for i, _layer, inputs in layerwise(model, scored + fit, arch, "soft_share: searching the window"):
         if i > max(candidates):
             break
         if i not in candidates:
             continue
         old = place(model, planner.build(i, window, joint=False))
         if fit:
-            members = {j: {n: old[n] for n in ffn_names(arch, j, "soft_share").values()} for j in range(i, i + window)}
             stream = layerwise(model, fit, arch, "soft_share: refitting a candidate", dtype, first=i,
                                hidden=inputs.hidden[len(scored):])
-            refit_down_projections(model, arch, members, stream, dtype, iters=1)
+            refit_down_projections(model, arch, by_layer(arch, old, range(i, i + window)), stream, dtype, iters=1)
         with start_at(arch, i, inputs.hidden[: len(scored)]):
             scores[i] = sampled_nll(model, scored, positions)
         place(model, old)
@@ -316,28 +333,21 @@ def apply(model, cfg: SoftShareConfig, ctx) -> dict:
             originals.update(place(model, planner.build(s, cfg.window)))
     else:
         starts = []
-        rows = torch.cat(batches)
-        scored = list(rows[: cfg.search_samples].split(batches[0].shape[0]))
-        fit = [b for b in rows[cfg.search_samples: cfg.search_samples + cfg.search_fit_samples].split(batches[0].shape[0])
-               if len(b)]  # none when the calibration set has no sequences beyond the scored ones
-        gen = torch.Generator().manual_seed(0)
-        positions = torch.randperm(rows.shape[1] - 1, generator=gen)[: cfg.search_positions].sort().values
+        scored, fit, positions = search_batches(cfg, batches)
         for _ in range(cfg.num_windows):
             free = [s for s in range(0, n - cfg.window + 1, cfg.search_stride)
                     if all(s + cfg.window <= t or t + cfg.window <= s for t in starts)]
             if not free:  # the greedy placement left only gaps shorter than a window
                 raise UsageError(f"soft_share: the searched windows {starts} leave no room for another of {cfg.window} layers",
                                  "give the windows' first layers explicitly with starts, or use fewer windows")
-            best, scores = search(model, planner, free, cfg.window, scored, positions, fit if cfg.refit else None,
-                                  ctx.dtype(model))
+            best, scores = search(model, planner, free, cfg.window, scored, positions, fit, ctx.dtype(model))
             starts.append(best)
             originals.update(place(model, planner.build(best, cfg.window)))
     if cfg.refit:
-        by_layer = {i: {n: originals[n] for n in ffn_names(arch, i, "soft_share").values()}
-                    for s in starts for i in range(s, s + cfg.window)}
         dtype = ctx.dtype(model)
         stream = layerwise(model, ctx.calibration(), arch, "soft_share: refitting the down projections", dtype)
-        refit_down_projections(model, arch, by_layer, stream, dtype)
+        members = by_layer(arch, originals, [i for s in starts for i in range(s, s + cfg.window)])
+        refit_down_projections(model, arch, members, stream, dtype)
     return {"windows": [list(range(s, s + cfg.window)) for s in starts], "rank": cfg.rank, "base": cfg.base,
             "whitening": cfg.whitening, "refit": cfg.refit,
             "search_nll": {str(k): round(v, 4) for k, v in scores.items()}}
