@@ -73,10 +73,12 @@ def test_alignment_recovers_a_known_permutation():
     assert torch.equal(perm[alignment(acts, shuffled)], torch.arange(32))
 
 
-def test_sampled_activations_align_a_permuted_copy_of_a_layer(tokenizer):
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_sampled_activations_align_a_permuted_copy_of_a_layer(tokenizer, dtype):
     """Layer 1 is layer 0 with its FFN neurons shuffled, and layer 0 barely changes the stream:
     the sampled activations of both layers must be of the same tokens for the alignment to
-    find the shuffle."""
+    find the shuffle, also from a bfloat16 pass (the calibration dtype), which leaves the
+    model's float32 weights as they were."""
     from wscompress.sharing import sample_inputs
 
     model = tiny_model("llama")
@@ -90,8 +92,16 @@ def test_sampled_activations_align_a_permuted_copy_of_a_layer(tokenizer):
             w.copy_(w[:, perm] if role == "down" else w[perm])
         arch.layers[0].mlp.down_proj.weight.mul_(1e-4)  # layer 1 reads (almost) what layer 0 read
         arch.layers[0].self_attn.o_proj.weight.mul_(1e-4)
-    acts = sample_inputs(model, arch, Calibration(tokenizer).batches, "down", rows_per_batch=48)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    seen = set()
+    hook = arch.layers[1].mlp.down_proj.register_forward_hook(lambda _m, args, _out: seen.add(args[0].dtype))
+    acts = sample_inputs(model, arch, Calibration(tokenizer).batches, "down", rows_per_batch=48, dtype=dtype)
+    hook.remove()
+    assert seen == {dtype or torch.float32}
+    assert {a.dtype for a in acts.values()} == {torch.float32}
     assert torch.equal(perm[alignment(acts[0], acts[1])], torch.arange(128))
+    after = model.state_dict()
+    assert all(after[k].dtype == v.dtype and torch.equal(after[k], v) for k, v in before.items())
 
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])

@@ -19,7 +19,7 @@ from scipy.optimize import linear_sum_assignment
 from torch import nn
 
 from .arch import Arch, get_module, is_linear, set_module, weight_of
-from .calibrate import layerwise, run_layer
+from .calibrate import computing_in, layerwise, run_layer
 from .errors import UsageError
 from .linalg import solve_coefficients
 from .recipe import StageConfig
@@ -207,22 +207,24 @@ class ActivationSampler:
 
 @torch.no_grad()
 def sample_inputs(model: nn.Module, arch: Arch, batches: list[torch.Tensor], role: str, rows_per_batch: int = 256,
-                  layers: Collection[int] | None = None) -> dict[int, torch.Tensor]:
-    """Layer index -> (tokens, features) sample of the inputs of each layer's ``role``
+                  layers: Collection[int] | None = None, dtype: torch.dtype | None = None) -> dict[int, torch.Tensor]:
+    """Layer index -> (tokens, features) float32 sample of the inputs of each layer's ``role``
     projection (e.g. 'down': the FFN's intermediate activations), layer by layer, for every
-    layer or those of ``layers`` (the pass ends after the last). Every layer keeps the same
-    token positions, so row t of two layers' samples is one token: neuron alignment
+    layer or those of ``layers`` (the pass ends after the last), the layers run in ``dtype``
+    (the calibration dtype, as every calibration pass; default: the model's). Every layer keeps
+    the same token positions, so row t of two layers' samples is one token: neuron alignment
     correlates them row by row."""
     out = {}
     last = arch.num_layers - 1 if layers is None else max(layers)
-    for i, layer, inputs in layerwise(model, batches, arch, label=f"sampling {role} inputs"):
+    for i, layer, inputs in layerwise(model, batches, arch, f"sampling {role} inputs", dtype):
         if layers is None or i in layers:
             name = arch.projections(i).get(role)
             if name is None:
                 raise UsageError(f"layer {i} has no {role} projection",
                                  "this method needs FFN layers (gate/up/down projections)")
             sampler = ActivationSampler({name: get_module(model, name)}, rows_per_batch)
-            inputs.outputs = run_layer(layer, inputs)  # the next layer's inputs too: the layer runs once
+            with computing_in(layer, dtype):  # the next layer's inputs too: the layer runs once
+                inputs.outputs = run_layer(layer, inputs)
             out[i] = sampler.close()[name]
         if i == last:
             break

@@ -96,7 +96,8 @@ def fit_init(model: nn.Module, arch: Arch, groups: list[list[int]], part: Part,
     perms: dict[str, torch.Tensor] = {}  # down projection -> the order of its input neurons
     aligned = alignable(arch, groups, part)
     if aligned:
-        acts = sample_inputs(model, arch, ctx.calibration(), "down", layers=[i for g in groups for i in g])
+        acts = sample_inputs(model, arch, ctx.calibration(), "down", layers=[i for g in groups for i in g],
+                             dtype=ctx.dtype(model))
         for g in groups:
             for i in g[1:]:
                 perm = alignment(acts[g[0]], acts[i])

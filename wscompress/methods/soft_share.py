@@ -323,8 +323,8 @@ def apply(model, cfg: SoftShareConfig, ctx) -> dict:
         check_groups([list(range(s, s + cfg.window)) for s in cfg.starts], n, what="starts")
     batches = ctx.calibration()
     stats = ctx.stats(model, names) if cfg.whitening or cfg.base == "fit" else None
-    planner = Planner(arch, sample_inputs(model, arch, batches, "down", cfg.samples_per_batch), cfg.rank, stats,
-                      cfg.base, cfg.whitening)
+    acts = sample_inputs(model, arch, batches, "down", cfg.samples_per_batch, dtype=ctx.dtype(model))
+    planner = Planner(arch, acts, cfg.rank, stats, cfg.base, cfg.whitening)
     scores: dict[int, float] = {}
     originals: dict[str, nn.Module] = {}
     if cfg.starts is not None:
