@@ -5,7 +5,9 @@ default was tuned on).
 
 1. `wscompress calibrate` and then `wscompress compress` (the recipe's Basis Sharing stage) run
    once each as subprocesses, as a user runs them (their reports give time and peak memory);
-   the statistics calibrate saves (Gram matrices, output sensitivities) serve every row.
+   the statistics calibrate saves (Gram matrices, output sensitivities) serve every row. The
+   same pair runs again in the official code's configuration (one ratio per matrix, no refit),
+   the like-for-like comparison for its time (in outputs/protocol/official-configuration).
 2. Each row applies its stage(s) to a fresh copy of the model in this process: perplexity on
    both texts, the size (parameters or bits per weight) and the compression time. Each row is
    also written as a run folder (outputs/protocol/runs/<row>/reports), so
@@ -107,6 +109,8 @@ COMBINED = {  # label -> stages, at fixed settings: low-rank factors palettized 
 # official code on this machine, issue 11): label -> {ratio: wiki.test perplexity}
 OFFICIAL = {"official Basis Sharing g2 (q/gate/up shared)": {0.2: 89.53, 0.4: 297.2},
             "official SVD-LLM (whitening)": {0.2: 90.40, 0.4: 311.5}}
+# The official Basis Sharing code's own configuration, in wscompress's terms (its time target, issue 11)
+OFFICIAL_CONFIGURATION = ["compress.0.allocation=uniform", "compress.0.refit=false"]
 
 
 def markdown(rows: list[dict], cols: list[str]) -> str:
@@ -162,20 +166,26 @@ def main() -> None:
     out = args.out.resolve()
     recipe = load_recipe(CONFIG, [f"output.dir={out}", *args.set])
 
-    def cli(step: str, done: Path) -> dict:
+    def cli(step: str, folder: Path, done: Path, sets: list[str]) -> dict:
         """One step as a user runs it (a fresh process), unless an earlier invocation did; its report."""
         if not done.is_file():
-            sets = [a for kv in args.set for a in ("-s", kv)]
-            subprocess.run([sys.executable, "-m", "wscompress.cli", step, str(CONFIG), "-o", str(out), "-q", *sets],
+            flags = [a for kv in args.set + sets for a in ("-s", kv)]
+            subprocess.run([sys.executable, "-m", "wscompress.cli", step, str(CONFIG), "-o", str(folder), "-q", *flags],
                            check=True, cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-        return json.loads((out / "reports" / f"{step}.json").read_text())
+        return json.loads((folder / "reports" / f"{step}.json").read_text())
 
-    calib = cli("calibrate", out / "calibration" / "stats.json")
-    comp = cli("compress", out / "reports" / "compress.json")  # the recipe's stage, statistics reused
-    steps = [{"step": "wscompress calibrate (Grams + sensitivities)", "seconds": calib["seconds"],
-              "peak_memory_mb": calib["peak_memory_mb"]},
-             {"step": "wscompress compress (Basis Sharing g2 20 %, defaults)",
-              "seconds": round(sum(s["seconds"] for s in comp["stages"]), 1), "peak_memory_mb": comp["peak_memory_mb"]}]
+    steps = []
+    # the recipe's stage (the defaults), then the official code's configuration (one ratio per
+    # matrix, no refit: no sensitivities to calibrate either) in a folder of its own
+    for folder, sets, gathered, stage in [
+            (out, [], "Grams + sensitivities", "defaults: fisher + refit"),
+            (out / "official-configuration", OFFICIAL_CONFIGURATION, "Grams", "allocation: uniform, refit: false")]:
+        calib = cli("calibrate", folder, folder / "calibration" / "stats.json", sets)
+        comp = cli("compress", folder, folder / "reports" / "compress.json", sets)  # statistics reused
+        steps += [{"step": f"wscompress calibrate ({gathered})", "seconds": calib["seconds"],
+                   "peak_memory_mb": calib["peak_memory_mb"]},
+                  {"step": f"wscompress compress (Basis Sharing g2 20 %, {stage})",
+                   "seconds": round(sum(s["seconds"] for s in comp["stages"]), 1), "peak_memory_mb": comp["peak_memory_mb"]}]
 
     original, tok = load_model(recipe.model)
     done = out / "results.json"  # rows measured by an earlier invocation are kept, not rerun
