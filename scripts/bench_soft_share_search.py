@@ -13,8 +13,15 @@
    search before), and what each pick is worth: the window built and refit as the stage does,
    its NLL on 12 windows of wiki.train.txt that no calibration window overlaps, above the
    dense model's.
+4. The joint solve of one window's base and deltas (``shared_plus_deltas``, on layers 15-18 as
+   the stage builds them on the protocol's calibration set): its loss and time with the
+   deltas truncated by subspace iteration (the stage's) against the exact eigensolver
+   (``low_rank``) at every alternation, after 1 and 20 alternations; and one truncation of a
+   7B-shaped down projection (4096 x 11008, random weight and metric): exact, and iterated
+   from a random start (16 steps, an alternation's first) and from its own result (2 steps,
+   every later alternation).
 
-Usage: python scripts/bench_soft_share_search.py [--window 4] [--rank 8] [--skip exact gemma refit]
+Usage: python scripts/bench_soft_share_search.py [--window 4] [--rank 8] [--skip exact gemma refit solve]
 """
 
 from __future__ import annotations
@@ -74,7 +81,7 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--samples", type=int, default=8, help="calibration sequences for the SmolLM2 comparison")
     parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--skip", nargs="*", default=[], choices=["exact", "gemma", "refit"])
+    parser.add_argument("--skip", nargs="*", default=[], choices=["exact", "gemma", "refit", "solve"])
     args = parser.parse_args()
     stage = {"method": "soft_share", "window": args.window, "rank": args.rank, "refit": False, "base": "mean",
              "whitening": False}  # what exact_search builds
@@ -104,6 +111,8 @@ def main() -> None:
 
     if "refit" not in args.skip:
         refit_search(model, tok)
+    if "solve" not in args.skip:
+        joint_solve(model, tok)
 
 
 def refit_search(model, tok) -> None:
@@ -125,7 +134,7 @@ def refit_search(model, tok) -> None:
     ctx, cfg, arch = Context(recipe, tok), SoftShareConfig(), discover(model)
     batches, dtype = ctx.calibration(), ctx.dtype(model)
     names = [n for i in range(arch.num_layers) for n in ffn_names(arch, i, "soft_share").values()]
-    planner = Planner(arch, sample_inputs(model, arch, batches, "down", cfg.samples_per_batch), cfg.rank,
+    planner = Planner(arch, sample_inputs(model, arch, batches, "down", cfg.samples_per_batch, dtype=dtype), cfg.rank,
                       ctx.stats(model, names), cfg.base, cfg.whitening)
     scored, fit, positions = search_batches(cfg, batches)  # what the stage scores and refits on
     candidates = list(range(arch.num_layers - cfg.window + 1))
@@ -164,6 +173,66 @@ def refit_search(model, tok) -> None:
     for label, (best, top, seconds) in picks.items():
         print(f"| {label} | {best}-{best + cfg.window - 1} | {top} | {seconds:.0f} | {worth[best][0]:.4f} "
               f"| {worth[best][1]:.4f} |")
+
+
+def joint_solve(model, tok, start: int = 15) -> None:
+    """Section 4: ``shared_plus_deltas`` with its subspace-iterated truncations against the
+    exact ones, on the problems the stage's build of layers ``start``.. poses."""
+    from wscompress.arch import discover
+    from wscompress.linalg import low_rank, truncation_by_iteration
+    from wscompress.methods import soft_share
+    from wscompress.recipe import load_recipe
+    from wscompress.sharing import ffn_names, sample_inputs
+    from wscompress.workflow import Context
+
+    recipe = load_recipe(Path(__file__).resolve().parents[1] / "configs" / "protocol.yaml")
+    ctx, cfg, arch = Context(recipe, tok), soft_share.SoftShareConfig(), discover(model)
+    names = [n for i in range(arch.num_layers) for n in ffn_names(arch, i, "soft_share").values()]
+    acts = sample_inputs(model, arch, ctx.calibration(), "down", cfg.samples_per_batch, dtype=ctx.dtype(model))
+    planner = soft_share.Planner(arch, acts, cfg.rank, ctx.stats(model, names), cfg.base, cfg.whitening)
+    problems, solve = [], soft_share.shared_plus_deltas
+    soft_share.shared_plus_deltas = lambda *a, **k: problems.append(a) or solve(*a, iters=1)  # the build's problems
+    try:
+        planner.build(start, cfg.window)
+    finally:
+        soft_share.shared_plus_deltas = solve
+
+    def exact(targets, metrics, rank, c, iters):  # the same alternation, each delta by low_rank
+        total, fixed = torch.linalg.cholesky(sum(metrics)), sum(m @ h for m, h in zip(targets, metrics))
+        for _ in range(iters):
+            factors = [low_rank(m - c, rank, h)[:2] for m, h in zip(targets, metrics)]
+            c = torch.cholesky_solve((fixed - sum(a @ (b @ h) for (a, b), h in zip(factors, metrics))).T, total).T
+        return c, factors
+
+    def loss(targets, metrics, c, factors) -> float:
+        return sum(torch.trace((c + a @ b - m) @ h @ (c + a @ b - m).T).item()
+                   for m, h, (a, b) in zip(targets, metrics, factors))
+
+    print(f"\n| layers {start}-{start + cfg.window - 1}, weight | alternations | exact s | iterated s | "
+          "iterated loss / exact - 1 |\n|---|---|---|---|---|")
+    for targets, metrics, rank, base in problems:
+        targets = [t.double() for t in targets]
+        for iters in (1, 20):
+            t = time.perf_counter()
+            exact_loss = loss(targets, metrics, *exact(targets, metrics, rank, base.double(), iters))
+            exact_s, t = time.perf_counter() - t, time.perf_counter()
+            iterated = loss(targets, metrics, *solve(targets, metrics, rank, base, iters, tol=0))
+            print(f"| {tuple(targets[0].shape)} | {iters} | {exact_s:.2f} | {time.perf_counter() - t:.2f} "
+                  f"| {iterated / exact_loss - 1:+.1e} |")
+
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(4096, 11008, generator=gen, dtype=torch.float64)
+    v = torch.randn(11008, 256, generator=gen, dtype=torch.float64)
+    metric = v @ v.T + torch.diag(torch.rand(11008, generator=gen, dtype=torch.float64))  # SPD, a few strong directions
+    t = time.perf_counter()
+    low_rank(w, cfg.rank, metric)
+    times = [f"exact {time.perf_counter() - t:.1f} s"]
+    start = torch.randn(4096, 2 * cfg.rank, generator=gen, dtype=torch.float64)
+    for label, steps in (("16 steps (first alternation)", 16), ("2 steps (later ones)", 2)):
+        t = time.perf_counter()
+        *_, start = truncation_by_iteration(w, cfg.rank, metric, start, steps)
+        times.append(f"{label} {time.perf_counter() - t:.2f} s")
+    print(f"\n7B-shaped down projection (4096 x 11008), rank {cfg.rank}, one truncation: " + ", ".join(times))
 
 
 if __name__ == "__main__":

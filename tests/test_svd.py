@@ -9,7 +9,7 @@ import wscompress
 from conftest import WIKI_TEST, tiny_model
 from wscompress import data, storage
 from wscompress.errors import UsageError
-from wscompress.linalg import low_rank, rank_for_ratio, refit_coefficients, whitening
+from wscompress.linalg import low_rank, rank_for_ratio, refit_coefficients, truncation_by_iteration, whitening
 from wscompress.methods.svd import LowRankLinear
 
 CALIB = {"dataset": "pydoc", "num_samples": 8, "seq_len": 64, "batch_size": 4, "dtype": "float32"}  # exact float32 references
@@ -53,6 +53,27 @@ def test_whitened_truncation_beats_plain_svd_on_the_data():
     assert torch.linalg.norm(w - cp @ bp) <= torch.linalg.norm(w - c @ b)  # plain SVD wins on the weights
     full_c, full_b, _ = low_rank(w, 100, x.T @ x)  # rank capped at 32: exact
     assert torch.allclose(full_c @ full_b, w)
+
+
+@pytest.mark.parametrize("shape", [(12, 40), (40, 12)])
+def test_truncation_by_iteration_converges_to_the_whitened_truncation(shape):
+    """From a random start the subspace iteration reaches low_rank's output error; its Ritz
+    vectors warm-start the next call; a subspace as wide as the output is exact at once."""
+    gen = torch.Generator().manual_seed(0)
+    f64 = {"dtype": torch.float64}
+    x = torch.randn(300, shape[1], generator=gen, **f64) * torch.logspace(0, 1, shape[1], **f64)
+    w, gram = torch.randn(*shape, generator=gen, **f64), x.T @ x
+    err = lambda c, b: torch.linalg.norm(x @ (w - c @ b).T).item()  # noqa: E731
+    best = err(*low_rank(w, 3, gram)[:2])
+    start = torch.randn(shape[0], 6, generator=gen, **f64)
+    c, b, ritz = truncation_by_iteration(w, 3, gram, start, steps=1)
+    assert c.shape == (shape[0], 3) and b.shape == (3, shape[1]) and ritz.shape == (shape[0], 6)
+    assert err(c, b) > best * (1 + 1e-6)  # one step from a random start is not there yet
+    for _ in range(40):  # warm-started calls, as the alternations of shared_plus_deltas
+        c, b, ritz = truncation_by_iteration(w, 3, gram, ritz, steps=2)
+    assert err(c, b) == pytest.approx(best, rel=1e-9)
+    c, b, _ = truncation_by_iteration(w, 3, gram, torch.randn(shape[0], shape[0], generator=gen, **f64), steps=0)
+    assert err(c, b) == pytest.approx(best, rel=1e-12)
 
 
 def test_refit_minimises_error_for_a_fixed_basis():

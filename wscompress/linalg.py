@@ -158,6 +158,25 @@ def low_rank(w: torch.Tensor, k: int, gram: torch.Tensor | None = None) -> tuple
     return (*balanced(coeff, basis), how)
 
 
+def truncation_by_iteration(w: torch.Tensor, k: int, gram: torch.Tensor, start: torch.Tensor,
+                            steps: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``low_rank(w, k, gram)``'s factors by block subspace iteration, for a solver that
+    truncates a slowly changing matrix many times: the top eigenvectors of W·G·Wᵀ are refined
+    from ``start`` (out, p ≥ k independent columns; the previous call's last value, or random) by ``steps``
+    products W·(G·(Wᵀ·Q)) and then taken by Rayleigh-Ritz in that p-dimensional subspace. Each
+    step costs (2·out·in + in²)·p multiply-adds against low_rank's out·in², and never forms an
+    out × out or in × in product. Exact when p = out. Returns the balanced factors and the Ritz
+    vectors (descending) to start the next call from. Float64."""
+    w, gram = w.double(), gram.double()
+    q = torch.linalg.qr(start.double()).Q
+    for _ in range(steps):
+        q = torch.linalg.qr(w @ (gram @ (q.T @ w).T)).Q
+    right = q.T @ w
+    z = torch.linalg.eigh(right @ gram @ right.T).eigenvectors.flip(1)  # descending
+    u = q @ z[:, :k]
+    return (*balanced(u, z[:, :k].T @ right), q @ z)
+
+
 def balanced(coeff: torch.Tensor, basis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The same product C·B with each rank component's column of C and row of B of equal norm
     (U·Σ^½, Σ^½·Vᵀ rather than U·Σ, Vᵀ): whitened bases can be orders of magnitude smaller than
