@@ -162,11 +162,11 @@ def truncation_by_iteration(w: torch.Tensor, k: int, gram: torch.Tensor, start: 
                             steps: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``low_rank(w, k, gram)``'s factors by block subspace iteration, for a solver that
     truncates a slowly changing matrix many times: the top eigenvectors of W·G·Wᵀ are refined
-    from ``start`` (out, p ≥ k independent columns; the previous call's last value, or random) by ``steps``
-    products W·(G·(Wᵀ·Q)) and then taken by Rayleigh-Ritz in that p-dimensional subspace. Each
-    step costs (2·out·in + in²)·p multiply-adds against low_rank's out·in², and never forms an
-    out × out or in × in product. Exact when p = out. Returns the balanced factors and the Ritz
-    vectors (descending) to start the next call from. Float64."""
+    from ``start`` (out, p ≥ k independent columns: the previous call's last value, or random)
+    by ``steps`` products W·(G·(Wᵀ·Q)), then taken by Rayleigh-Ritz in that p-dimensional
+    subspace. A step costs (2·out·in + in²)·p multiply-adds against low_rank's out·in², and
+    forms no new out × out or in × in matrix. Exact when p = out. Returns the balanced factors
+    and the Ritz vectors (descending) to start the next call from. Float64."""
     w, gram = w.double(), gram.double()
     q = torch.linalg.qr(start.double()).Q
     for _ in range(steps):

@@ -18,7 +18,7 @@ original layer's down output (``compensate.LeastSquares``, as cross_layer refits
 weights) is the target, and the shared base and the members' deltas are solved together for
 those targets (``shared_plus_deltas``: alternating the base's exact solve and each delta's
 truncation whitened by its inputs, the latter by subspace iteration warm-started from the
-alternation before, so a 7B model's window costs minutes, not hours). The window's
+alternation before: no d_out·d_in² product per alternation). The window's
 position is searched by the calibration loss of the soft-shared model (its base fitted but not
 solved with the deltas, which would cost ~20x as much per candidate; with ``refit``, its down
 projections refit on ``search_fit_samples`` other sequences first), estimated on
