@@ -215,7 +215,9 @@ def shared_plus_deltas(targets: list[torch.Tensor], metrics: list[torch.Tensor],
     7B-shaped down projection a later alternation's truncation took 0.9 s against 17.7 s
     (``scripts/bench_soft_share_search.py``, section 4)."""
     total = torch.linalg.cholesky(sum(metrics))
-    fixed = sum(m @ h for m, h in zip(targets, metrics))
+    # C = (Σ M_j·H_j − Σ A_j·B_j·H_j)·(Σ H_j)⁻¹: the first term once, the second through the
+    # rank-row B_j·H_j, so an alternation solves for rank rows a member, not d_out
+    fixed = torch.cholesky_solve(sum(m @ h for m, h in zip(targets, metrics)).T, total).T
     c = base.double()
     gen = torch.Generator().manual_seed(0)
     bases = [torch.randn(m.shape[0], min(2 * rank, m.shape[0]), generator=gen, dtype=torch.float64).to(m.device)
@@ -224,7 +226,7 @@ def shared_plus_deltas(targets: list[torch.Tensor], metrics: list[torch.Tensor],
         steps = 16 if it == 0 else 2
         done = [truncation_by_iteration(m - c, rank, h, q, steps) for m, h, q in zip(targets, metrics, bases)]
         factors, bases = [(a, b) for a, b, _ in done], [q for *_, q in done]
-        new = torch.cholesky_solve((fixed - sum(a @ (b @ h) for (a, b), h in zip(factors, metrics))).T, total).T
+        new = fixed - sum(a @ torch.cholesky_solve((b @ h).T, total).T for (a, b), h in zip(factors, metrics))
         moved = (new - c).norm() / c.norm().clamp_min(1e-30)
         c = new
         if moved < tol:
