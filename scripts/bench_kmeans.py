@@ -28,8 +28,8 @@ import numpy as np
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-WIKI_TRAIN = str(REPO.parent / "shared" / "data" / "wiki.train.txt")
-WIKI_TEST = str(REPO.parent / "shared" / "data" / "wiki.test.txt")
+WIKI_TRAIN = "builtin:wiki.train"
+WIKI_TEST = "builtin:wiki.test"
 MATRICES = ["model.layers.3.self_attn.q_proj", "model.layers.10.mlp.down_proj", "model.layers.20.mlp.gate_proj"]
 
 

@@ -31,7 +31,6 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 from conftest import make_tokenizer, tiny_model  # noqa: E402  (the tests' tiny configs of each family)
 
-SHARED = REPO.parent / "shared" / "data"
 FAMILIES = ["llama", "llama_mha", "gpt2", "opt", "mistral", "qwen2", "gemma3"]
 
 
@@ -61,12 +60,12 @@ def families() -> list[dict]:
 def ridge(layers: int, samples: list[int], ridges: list[float]) -> list[dict]:
     model, tok = load_model(ModelConfig(path="builtin:smollm2-135m-instruct"))
     drop_layers(model, list(range(layers)))
-    held_out = data.tokenize(tok, str(SHARED / "brown.txt"), max_tokens=8 * 256)[: 8 * 256].view(4, 2, 256)
+    held_out = data.tokenize(tok, "builtin:brown", max_tokens=8 * 256)[: 8 * 256].view(4, 2, 256)
     with torch.no_grad():
         want = [model.model(input_ids=x).last_hidden_state for x in held_out]
     rows = []
     for n in samples:
-        calib = {"dataset": str(SHARED / "wiki.train.txt"), "num_samples": n, "seq_len": 256, "seed": 0}
+        calib = {"dataset": "builtin:wiki.train", "num_samples": n, "seq_len": 256, "seed": 0}
         row = {"calibration": f"{n} x 256"}
         for label, stage in [("no refit", {"refit": False})] + [(f"ridge {r:g}", {"ridge": r}) for r in ridges]:
             short = copy.deepcopy(model)

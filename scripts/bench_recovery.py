@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from wscompress import data
 from wscompress.evaluate.perplexity import evaluate_text
 from wscompress.report import markdown_table
 from wscompress.finetune import finetune
@@ -39,7 +40,6 @@ from wscompress.workflow import apply_stages
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "protocol.yaml"
-DATA = REPO.parent / "shared" / "data"
 METHODS = {  # key -> (label, stages, learning rate of mode: method)
     "bs20": ("basis_sharing g2 20 %", [{"method": "basis_sharing", "ratio": 0.2, "group_size": 2}], 1e-4),
     "bs40": ("basis_sharing g2 40 %", [{"method": "basis_sharing", "ratio": 0.4, "group_size": 2}], 1e-4),
@@ -76,12 +76,12 @@ def main() -> None:
                        check=True, cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     original, tok = load_model(recipe.model)
     teacher = copy.deepcopy(original).eval().requires_grad_(False)
-    texts = [str(DATA / "wiki.test.txt"), str(DATA / "brown.txt")]
+    texts = ["builtin:wiki.test", "builtin:brown"]
 
     def scores(model) -> dict[str, float]:
         model.eval()
-        return {Path(t).stem: round(evaluate_text(model, tok, t, 512, None, 4, args.windows, recipe.eval.bos,
-                                                  label=f"ppl {Path(t).stem}")["ppl"], 2) for t in texts}
+        return {Path(data.source_label(t)).stem: round(evaluate_text(model, tok, t, 512, None, 4, args.windows, recipe.eval.bos,
+                                                  label=f"ppl {data.source_label(t)}")["ppl"], 2) for t in texts}
 
     done = out / "results.json"  # rows of an earlier invocation with the same budget are kept
     saved = json.loads(done.read_text()) if done.is_file() else {}
@@ -110,7 +110,7 @@ def main() -> None:
                 rows.append({"method": label, "recovery": rec, "note": "n/a: the method removed layers"})
                 continue
             ft = load_recipe(data={
-                "finetune": {"mode": "method", "dataset": str(DATA / "wiki.train.txt"), "seq_len": 256, "batch_size": 4,
+                "finetune": {"mode": "method", "dataset": "builtin:wiki.train", "seq_len": 256, "batch_size": 4,
                              "steps": 100_000, "max_minutes": args.minutes, "lr": lr, "warmup_steps": 10,
                              "eval_every": args.eval_every, "eval_windows": 4, "distill": distill},
                 "eval": {"perplexity": [texts[0]]}, "output": {"dir": str(out / "ft")}})

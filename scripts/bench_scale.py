@@ -98,7 +98,7 @@ def main() -> None:
                     recipe = out / "recipe.yaml"
                     recipe.write_text(yaml.safe_dump({
                         "model": {"path": str(folder), "offload": offload},
-                        "calibration": {"dataset": str(REPO.parent / "shared" / "data" / "wiki.train.txt"),
+                        "calibration": {"dataset": "builtin:wiki.train",
                                         "num_samples": 8, "seq_len": 256, "batch_size": 4},
                         "compress": [STAGES[method]], "output": {"dir": str(out), "max_shard_size": "512MB"}}))
                     calib, comp = run("calibrate", recipe, out), run("compress", recipe, out)

@@ -37,7 +37,7 @@ import wscompress
 from wscompress import data, load
 from wscompress.model import builtin_dir
 
-WIKI_TRAIN = str(Path(__file__).resolve().parents[2] / "shared" / "data" / "wiki.train.txt")
+WIKI_TRAIN = "builtin:wiki.train"
 
 
 def exact_search(model, tok, window: int, rank: int, calibration: dict) -> dict[int, float]:

@@ -33,7 +33,6 @@ from wscompress.recipe import load_recipe
 from wscompress.workflow import apply_stages
 
 REPO = Path(__file__).resolve().parents[1]
-WIKI = REPO.parent / "shared" / "data"
 LAST_MEAN = {"init": "mean", "search": False, "refit": False}  # merge_drop's data-free options (the mean of the last layers)
 # label -> (stages, finetune mode, learning rate): `method` trains only what the method made
 # (soft_share deltas, embedding factors); models with plain shared/merged modules train `full`
@@ -108,7 +107,7 @@ def run_one(name: str, base, tokenizer, test_ids, args, out: Path) -> dict:
     stages, mode, lr = CONFIGS[name]
     model = copy.deepcopy(base)
     start = time.perf_counter()
-    calibration = {"dataset": str(WIKI / "wiki.train.txt"), "num_samples": args.calib_samples, "seq_len": 256, "batch_size": 4}
+    calibration = {"dataset": "builtin:wiki.train", "num_samples": args.calib_samples, "seq_len": 256, "batch_size": 4}
     recipe = load_recipe(data={"compress": stages, "calibration": calibration})
     stage_rows = apply_stages(model, tokenizer, recipe)
     row = {"method": name, "compress_s": round(time.perf_counter() - start, 1), "layers": model.config.num_hidden_layers}
@@ -127,9 +126,9 @@ def run_one(name: str, base, tokenizer, test_ids, args, out: Path) -> dict:
         ft = load_recipe(data={
             "finetune": {"mode": mode, "steps": args.steps, "seq_len": args.ft_seq_len, "batch_size": args.ft_batch,
                          "lr": lr, "warmup_steps": 2,
-                         "eval_windows": 1, "dataset": str(WIKI / "wiki.train.txt"),
+                         "eval_windows": 1, "dataset": "builtin:wiki.train",
                          "penalty": 1e-4 if name.startswith("soft_share") else 0.0},
-            "eval": {"perplexity": [str(WIKI / "wiki.test.txt")]}, "output": {"dir": str(out / "ft")}})
+            "eval": {"perplexity": ["builtin:wiki.test"]}, "output": {"dir": str(out / "ft")}})
         model, report = finetune(model, tokenizer, ft)
         row.update(ft_mode=f"{mode} ({report['trainable_params']:,} trained)", ft_s=round(report["seconds"], 1))
         row["ppl_ft"] = perplexity(model, test_ids, 512, batch_size=4, max_windows=args.windows, label=f"{name} ppl ft")["ppl"]
@@ -169,7 +168,7 @@ def main() -> None:
         (args.out / "depth_latency.md").write_text(f"# merge_drop prefill latency vs depth\n\n{table}\n")
         print(table)
         return
-    test_ids = data.tokenize(tokenizer, str(WIKI / "wiki.test.txt"), max_tokens=args.windows * 512 + 1)
+    test_ids = data.tokenize(tokenizer, "builtin:wiki.test", max_tokens=args.windows * 512 + 1)
     names = ["original"] + [n for n in CONFIGS if n != "original" and (not args.only or n in args.only)]
     setup = {"device": str(next(base.parameters()).device), "threads": torch.get_num_threads(),
              **{k: v for k, v in vars(args).items() if k != "out"}}

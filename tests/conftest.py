@@ -14,10 +14,9 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared" / "data"
-WIKI_TRAIN = str(SHARED / "wiki.train.txt")
-WIKI_TEST = str(SHARED / "wiki.test.txt")
-SENTIMENT = str(SHARED / "sentiment.jsonl")
+WIKI_TRAIN = "builtin:wiki.train"  # the texts that ship with wscompress (wscompress/texts)
+WIKI_TEST = "builtin:wiki.test"
+SENTIMENT = str(REPO / "wscompress" / "tasks" / "sentiment.jsonl")
 
 
 def make_tokenizer(vocab_size: int = 512):

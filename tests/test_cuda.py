@@ -114,7 +114,7 @@ def test_a_model_saved_from_the_gpu_reloads_on_the_cpu(tmp_path, tokenizer):
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_mixed_precision_finetuning_learns_and_keeps_float32_weights(tmp_path, tokenizer, precision):
     text = tmp_path / "train.txt"
-    text.write_text(open(WIKI_TRAIN).read()[:60_000])
+    text.write_text(data.load_text(WIKI_TRAIN)[:60_000])
     r = load_recipe(data={"model": {"device": "cuda"}, "finetune": {
         "dataset": str(text), "seq_len": 32, "batch_size": 4, "steps": 12, "lr": 3e-3, "eval_windows": 2,
         "mode": "full", "mixed_precision": precision}, "eval": {"perplexity": [str(text)]}, "output": {"dir": str(tmp_path / "run")}})

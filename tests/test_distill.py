@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from pathlib import Path
 
 from conftest import WIKI_TEST, tiny_model
 from test_finetune import recipe, svd_model
 
-from wscompress import compress
+from wscompress import compress, data
 from wscompress.distill import distill_loss
 from wscompress.errors import UsageError
 from wscompress.finetune import finetune
@@ -27,7 +26,7 @@ def agreement(student, teacher, ids: torch.Tensor) -> float:
 
 
 def held_out(tokenizer) -> torch.Tensor:
-    return tokenizer(Path(WIKI_TEST).read_text()[:20_000], return_tensors="pt").input_ids[0][:256].view(8, 32)
+    return tokenizer(data.load_text(WIKI_TEST)[:20_000], return_tensors="pt").input_ids[0][:256].view(8, 32)
 
 
 def test_loss_is_zero_when_the_student_is_the_teacher():

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 from conftest import WIKI_TEST, WIKI_TRAIN, tiny_model
 
-from wscompress import compress
+from wscompress import compress, data
 from wscompress.errors import UsageError
 from wscompress.finetune import finetune, lora_target_names
 from wscompress.methods.svd import LowRankLinear
@@ -19,7 +17,7 @@ def recipe(tmp_path, **finetune_opts):
     # a slice of the wiki text keeps tokenization (most of a tiny run's time) short
     text = tmp_path.parent / "train.txt"
     if not text.is_file():
-        text.write_text(Path(WIKI_TRAIN).read_text()[:60_000])
+        text.write_text(data.load_text(WIKI_TRAIN)[:60_000])
     ft = {"dataset": str(text), "seq_len": 32, "batch_size": 2, "steps": 6, "lr": 3e-3, "eval_windows": 2, **finetune_opts}
     return load_recipe(data={"finetune": ft, "eval": {"perplexity": [WIKI_TEST]}, "output": {"dir": str(tmp_path)}})
 

@@ -40,9 +40,12 @@ def test_local_task_yaml_resolves_data_next_to_it(tmp_path, tokenizer):
 
 
 def test_task_errors_name_the_fix(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)  # the shipped task's default data path is relative to the repo root
-    with pytest.raises(UsageError, match=f"eval.task_data.{TASK}"):
-        task_specs([TASK], {})
+    monkeypatch.chdir(tmp_path)  # the shipped task's data travels beside its YAML: found from any folder
+    assert task_specs([TASK], {})[0][0]["dataset_kwargs"]["data_files"]["test"] == SENTIMENT
+    (tmp_path / "orphan.yaml").write_text("task: orphan\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+                                          "    test: gone.jsonl\noutput_type: loglikelihood\n")
+    with pytest.raises(UsageError, match="eval.task_data.orphan"):
+        task_specs([str(tmp_path / "orphan.yaml")], {})
     with pytest.raises(UsageError, match="not found"):
         task_specs([TASK], {TASK: str(tmp_path / "nope.jsonl")})
     with pytest.raises(UsageError, match="not a local task"):

@@ -1,13 +1,15 @@
 """Text sources and the one tokenization+chunking path shared by calibration, eval and finetune.
 
-A source is a local file (``.txt``: raw text; ``.jsonl``: a ``text`` field per line), one of
-the papers' HF datasets (``wikitext2``, ``ptb``, ``c4``), or ``pydoc`` (CPython's bundled
-docs, always available). Sources may name a split: ``wikitext2:train``.
+A source is a local file (``.txt``: raw text; ``.jsonl``: a ``text`` field per line), a text
+that ships with wscompress (``builtin:wiki.train``, ``builtin:wiki.test``, ``builtin:brown``:
+see ``texts/README.md``), one of the papers' HF datasets (``wikitext2``, ``ptb``, ``c4``), or
+``pydoc`` (CPython's bundled docs). Sources may name a split: ``wikitext2:train``.
 """
 
 from __future__ import annotations
 
 import json
+import lzma
 import random
 from functools import lru_cache
 from pathlib import Path
@@ -23,6 +25,22 @@ HF_SOURCES = {
     "ptb": (("ptb_text_only", "penn_treebank"), "sentence", "test"),
     "c4": (("allenai/c4", "en"), "text", "validation"),
 }
+# texts packaged with wscompress (xz-compressed), so recipes and tests run from a bare clone
+TEXTS = Path(__file__).parent / "texts"
+BUILTIN = "builtin:"
+
+
+def builtin_texts() -> dict[str, Path]:
+    """Name -> file of the texts that ship with wscompress."""
+    return {p.name.removesuffix(".txt.xz"): p for p in sorted(TEXTS.glob("*.txt.xz"))}
+
+
+def _builtin_file(source: str, what: str) -> Path:
+    name = source.removeprefix(BUILTIN)
+    texts = builtin_texts()
+    if name not in texts:
+        raise UsageError(f"{what}: no builtin text {name!r}", f"builtin texts: {', '.join(BUILTIN + n for n in texts)}")
+    return texts[name]
 
 
 def _pydoc_text() -> str:
@@ -52,22 +70,31 @@ def _hf_text(name: str, split: str) -> str:
 def check_source(source: str, what: str) -> None:
     """Refuse a text source that cannot be read, before any work (hub datasets are checked
     when they load: that needs the network)."""
+    if source.startswith(BUILTIN):
+        _builtin_file(source, what)
+        return
     name = source.partition(":")[0]
     if name == "pydoc" or (name in HF_SOURCES and not Path(source).exists()):
         return
     if not Path(source).expanduser().is_file():
         raise UsageError(f"{what}: text source {source!r} not found",
-                         f"give an existing .txt/.jsonl file (relative to {Path.cwd()}), 'pydoc', or one of {', '.join(HF_SOURCES)}")
+                         f"give an existing .txt/.jsonl file (relative to {Path.cwd()}), a builtin text ("
+                         f"{', '.join(BUILTIN + n for n in builtin_texts())}), 'pydoc', or one of {', '.join(HF_SOURCES)}")
 
 
 def source_label(source: str) -> str:
-    """How tables name a source: a file by its name (paths get cut in narrow terminals)."""
+    """How tables name a source: a file by its name (paths get cut in narrow terminals), a
+    builtin text by the name of the file it ships as."""
+    if source.startswith(BUILTIN):
+        return f"{source.removeprefix(BUILTIN)}.txt"
     return Path(source).name if Path(source).expanduser().is_file() else source
 
 
 @lru_cache(maxsize=8)
 def load_text(source: str) -> str:
     """The whole text of a source, documents joined by blank lines (the papers' protocol)."""
+    if source.startswith(BUILTIN):
+        return lzma.decompress(_builtin_file(source, "text source").read_bytes()).decode()
     name, _, split = source.partition(":")
     if name == "pydoc":
         return _pydoc_text()

@@ -52,7 +52,7 @@ BOS_HELP = ("auto: a BOS opens every window/sample when the tokenizer adds one; 
 
 
 class CalibrationConfig(Strict):
-    dataset: str = Field("../shared/data/wiki.train.txt", description="file path or wikitext2/ptb/c4/pydoc")
+    dataset: str = Field("builtin:wiki.train", description="file path, builtin:NAME, or wikitext2/ptb/c4/pydoc")
     num_samples: int = Field(32, gt=0)
     seq_len: int = Field(512, gt=1)
     batch_size: int = Field(4, gt=0)
@@ -105,7 +105,7 @@ class DistillConfig(Strict):
 class FinetuneConfig(Strict):
     enabled: bool = True
     mode: Literal["lora", "method", "full", "dkm"] = "method"
-    dataset: str = "../shared/data/wiki.train.txt"
+    dataset: str = "builtin:wiki.train"
     seq_len: int = Field(256, gt=1)
     batch_size: int = Field(4, gt=0)
     grad_accum: int = Field(1, gt=0)
@@ -132,7 +132,7 @@ class FinetuneConfig(Strict):
 
 
 class EvalConfig(Strict):
-    perplexity: list[str] = Field(default_factory=lambda: ["../shared/data/wiki.test.txt"])
+    perplexity: list[str] = Field(default_factory=lambda: ["builtin:wiki.test"])
     context_length: int = Field(512, gt=1)
     stride: int | None = Field(None, gt=0, description="window step; < context_length scores only the new tokens")
     batch_size: int = Field(4, gt=0)

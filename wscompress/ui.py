@@ -56,7 +56,7 @@ def table(title: str, rows: list[dict]) -> Table:
     t = Table(title=title)
     columns = list(dict.fromkeys(k for r in rows for k in r))
     for c in columns:
-        # fold, never cut: a value cut to "../shared/data/wik…" says nothing
+        # fold, never cut: a value cut to "/data/corpora/wik…" says nothing
         t.add_column(c, justify="right" if rows and isinstance(rows[0].get(c), (int, float)) else "left", overflow="fold")
     for r in rows:
         t.add_row(*(fmt(r.get(c)) for c in columns))
