@@ -1,6 +1,6 @@
 """What OpenBLAS's spinning threads cost the layer forwards between two Gram updates: a bfloat16
 linear and a float32 symmetric product (`ssyrk`, as `linalg.add_gram` forms a bfloat16 batch's
-Gram matrix) in turn, with OpenBLAS's default thread timeout and with the one the CLI sets
+Gram matrix) in turn, with OpenBLAS's default thread timeout and with the one `import wscompress` sets
 (`memory.idle_blas_threads`). Each setting runs in its own process, since OpenBLAS reads it
 when it loads.
 

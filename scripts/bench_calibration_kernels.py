@@ -14,9 +14,7 @@ import statistics
 import time
 from typing import Callable
 
-from wscompress.memory import idle_blas_threads
-
-idle_blas_threads()  # as the CLI does, before scipy loads OpenBLAS: its spinning threads would slow the kernels' turns
+import wscompress  # noqa: F401  (first: it sets OpenBLAS's threads to sleep before scipy loads, see memory.py)
 
 import torch  # noqa: E402
 from scipy.linalg.blas import ssyrk  # noqa: E402

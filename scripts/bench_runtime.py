@@ -106,7 +106,7 @@ LAYER_COLS = ["layer (out x in)", "model", "weight MB", "us per call", "x dense"
 def layer_rows(device: torch.device, dtype: torch.dtype, bandwidth: float, graph: bool) -> list[dict]:
     """One decode-sized product (batch 1) per call on 7B-sized layers: dense vs palettized per
     channel, microseconds per call (best of 5 runs of ``calls``) and the weight bytes' bound."""
-    from wscompress.methods.kmeans import PalettizedLinear
+    from wscompress.modeling_wscompress import PalettizedLinear
 
     gen = torch.Generator().manual_seed(0)
     calls = 200 if device.type == "cuda" else 5  # a GPU call takes microseconds: time many

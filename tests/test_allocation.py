@@ -11,7 +11,7 @@ from wscompress import calibrate
 from wscompress.allocation import Unit, allocate, spectrum
 from wscompress.arch import discover, get_module
 from wscompress.errors import UsageError
-from wscompress.methods.svd import LowRankLinear
+from wscompress.modeling_wscompress import LowRankLinear
 
 CALIB = {"dataset": "pydoc", "num_samples": 8, "seq_len": 64, "batch_size": 4}
 

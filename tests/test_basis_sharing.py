@@ -16,8 +16,8 @@ from conftest import (WIKI_TEST, WIKI_TRAIN, final_inputs, first_layers, hidden_
 from wscompress import data, storage
 from wscompress.arch import discover
 from wscompress.errors import UsageError
-from wscompress.methods.basis_sharing import SharedBasisLinear, relative
-from wscompress.methods.svd import LowRankLinear
+from wscompress.methods.basis_sharing import relative
+from wscompress.modeling_wscompress import LowRankLinear, SharedBasisLinear
 
 CALIB = {"dataset": "pydoc", "num_samples": 8, "seq_len": 64, "batch_size": 4, "dtype": "float32"}  # exact float32 references
 IDS = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(1))
@@ -103,7 +103,7 @@ def test_save_reload_stores_each_basis_once(tmp_path, tokenizer):
     assert sum(k.endswith("k_proj.basis.weight") for k in keys) == 4  # private: one a layer
     assert saved["params"] == storage.stats(model)["params"]
     assert abs(saved["file_bytes"] - 4 * saved["params"]) < 0.02 * saved["file_bytes"]
-    manifest = json.loads((tmp_path / "m" / storage.MANIFEST).read_text())
+    manifest = json.loads((tmp_path / "m" / "config.json").read_text())["compression"]
     assert manifest["module_aliases"]["model.layers.1.self_attn.q_proj.basis"] == "model.layers.0.self_attn.q_proj.basis"
 
     loaded, _ = wscompress.load(tmp_path / "m", device="cpu")

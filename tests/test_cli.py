@@ -173,3 +173,54 @@ def test_the_original_perplexity_is_computed_once(tmp_path, tiny_dir, monkeypatc
     assert calls == [] and second["ppl"] == first["ppl"]
     assert runner.invoke(app, ["eval", str(path), "-q", "--set", "eval.max_windows=2"]).exit_code == 0
     assert calls == [1]
+
+
+def test_run_writes_a_model_card_with_the_measured_figures(tmp_path, tiny_dir):
+    path = recipe(tmp_path, tiny_dir("llama"), compress=[{"method": "svd", "ratio": 0.3, "allocation": "uniform"}],
+                  calibration={"dataset": "pydoc", "num_samples": 4, "seq_len": 32, "batch_size": 2},
+                  bench={"batch_sizes": [1], "seq_lens": [8], "decode_tokens": 2, "warmup": 0, "repeats": 1})
+    result = runner.invoke(app, ["run", str(path), "-q"])
+    assert result.exit_code == 0, result.output
+    card = (tmp_path / "out" / "model" / "README.md").read_text()
+    meta, body = card.split("---\n")[1], card.split("---\n", 2)[2]
+    assert yaml.safe_load(meta)["tags"] == ["wscompress", "svd"] and yaml.safe_load(meta)["library_name"] == "transformers"
+    compress = json.loads((tmp_path / "out" / "reports" / "compress.json").read_text())
+    evaluation = json.loads((tmp_path / "out" / "reports" / "eval.json").read_text())
+    assert f"| compressed | {compress['compressed']['params']} |" in body  # size before and after
+    assert '"ratio": 0.3' in body and '"allocation": "uniform"' in body  # every option of the stage
+    compressed_ppl = next(r["ppl"] for r in evaluation["results"] if r["model"] == "compressed")
+    assert f"| {compressed_ppl:.4g} |" in body and "## Speed" in body and "decode tok/s b1 s8" in body
+    # figures measured on another model than the folder holds now are left out
+    runner.invoke(app, ["compress", str(path), "-q", "--set", "compress.0.ratio=0.5"])
+    card = (tmp_path / "out" / "model" / "README.md").read_text()
+    assert "## Size" in card and "## Perplexity" not in card and "## Speed" not in card and '"ratio": 0.5' in card
+
+
+def test_export_hf_rewrites_a_folder_of_format_1(tmp_path, tiny_dir):
+    """A folder written before config.json described the compression (base config.json plus
+    wscompress.json) loads in wscompress and is rewritten as a folder transformers loads."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import wscompress
+
+    path = recipe(tmp_path, tiny_dir("llama"), compress=[{"method": "kmeans", "bits": 4, "entropy_coding": True}],
+                  calibration={"dataset": "pydoc", "num_samples": 4, "seq_len": 32, "batch_size": 2})
+    assert runner.invoke(app, ["compress", str(path), "-q"]).exit_code == 0
+    old = tmp_path / "out" / "model"
+    config = json.loads((old / "config.json").read_text())
+    (old / "wscompress.json").write_text(json.dumps({"format": "wscompress", "version": 1, **config["compression"]}))
+    (old / "config.json").write_text(json.dumps({**config["base_config"], "torch_dtype": "float32", "dtype": "float32"}))
+    (old / "modeling_wscompress.py").unlink()
+    ids = torch.randint(0, 512, (1, 12))
+    with torch.no_grad():
+        want = wscompress.load(old, device="cpu")[0](ids).logits
+    result = runner.invoke(app, ["export", str(old), str(tmp_path / "hf"), "--format", "hf", "-q"])
+    assert result.exit_code == 0, result.output
+    with torch.no_grad():
+        torch.testing.assert_close(AutoModelForCausalLM.from_pretrained(tmp_path / "hf")(ids).logits, want)
+    assert (tmp_path / "hf" / "README.md").is_file() and (tmp_path / "hf" / "modeling_wscompress.py").is_file()
+    assert runner.invoke(app, ["export", str(old), str(tmp_path / "dense"), "-q"]).exit_code == 0
+    with torch.no_grad():
+        torch.testing.assert_close(AutoModelForCausalLM.from_pretrained(tmp_path / "dense")(ids).logits, want,
+                                   rtol=1e-5, atol=1e-5)

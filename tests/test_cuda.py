@@ -59,7 +59,7 @@ def test_calibrated_low_rank_on_the_gpu_equals_the_cpu_result(tokenizer, stage):
 def test_palettized_model_decodes_with_the_triton_kernel(tokenizer, bits, granularity):
     """On a GPU, decoding goes through the Triton LUT kernel (not the weight torch decodes), in
     float16 and float32, and gives the reference path's logits and greedy tokens."""
-    from wscompress.methods.kmeans import PalettizedLinear
+    from wscompress.modeling_wscompress import PalettizedLinear
 
     model = tiny_model("llama")
     grouped = {"group_size": 16} if granularity == "grouped" else {}
@@ -149,7 +149,8 @@ def test_bench_times_with_cuda_events_and_reports_gpu_memory(tmp_path, tiny_dir)
 def test_every_triton_launch_gives_the_reference_product(width, outliers):
     """Each blocking and input split the kernel may pick on a GPU (the interpreter runs two),
     on a 7B-sized down projection's input width, with and without outliers folded in."""
-    from wscompress.kernels import SparseRows, lut_triton
+    from wscompress.kernels import lut_triton
+    from wscompress.modeling_wscompress import SparseRows
 
     gen = torch.Generator().manual_seed(6)
     out_f, in_f, levels = 1000, 4096 + 128, 16 if width == 4 else 256

@@ -16,7 +16,7 @@ from wscompress.evaluate.perplexity import perplexity
 from wscompress.finetune import finetune
 from wscompress.methods.dkm import DKMLinear, parse_options, prepare_dkm
 from wscompress.clustering import centroid_means, nearest
-from wscompress.methods.kmeans import PalettizedLinear
+from wscompress.modeling_wscompress import PalettizedLinear
 from wscompress.recipe import load_recipe
 
 

@@ -7,7 +7,7 @@ from transformers import AutoModelForCausalLM
 from conftest import assert_roundtrip, tiny_model
 from wscompress import compress, storage
 from wscompress.errors import UsageError
-from wscompress.methods.factorize_embeddings import FactorizedEmbedding, FactorizedLMHead
+from wscompress.modeling_wscompress import FactorizedEmbedding, FactorizedLMHead
 
 
 @pytest.mark.parametrize("init", ["input", "output", "mean"])

@@ -9,7 +9,7 @@ from conftest import WIKI_TEST, WIKI_TRAIN, tiny_model
 from wscompress import compress, data
 from wscompress.errors import UsageError
 from wscompress.finetune import finetune, lora_target_names
-from wscompress.methods.svd import LowRankLinear
+from wscompress.modeling_wscompress import LowRankLinear
 from wscompress.recipe import load_recipe
 
 

@@ -13,7 +13,7 @@ import wscompress
 from conftest import tiny_model
 from wscompress import kernels
 from wscompress.clustering import cluster
-from wscompress.methods.kmeans import PalettizedLinear
+from wscompress.modeling_wscompress import DECODE_ROWS, KERNELS, PalettizedLinear
 
 CALIB = {"dataset": "pydoc", "num_samples": 4, "seq_len": 32, "batch_size": 2}
 
@@ -58,7 +58,7 @@ def test_outlier_corrections_follow_a_trained_codebook():
     lin = layer(4, 16, outliers=9)
 
     def check():
-        for rows in (1, kernels.DECODE_ROWS + 1):
+        for rows in (1, DECODE_ROWS + 1):
             x = torch.randn(rows, 72)
             torch.testing.assert_close(lin(x), F.linear(x, lin.dense_weight(), lin.bias), rtol=1e-5, atol=1e-5)
 
@@ -91,7 +91,7 @@ def test_whole_model_logits_match_the_reference_path(tokenizer, monkeypatch):
     with torch.no_grad():
         fast = model(input_ids=ids).logits
         step = model(input_ids=ids[:1, :1]).logits
-        monkeypatch.setattr(kernels, "palettized_linear", lambda *a, **k: None)
+        monkeypatch.setitem(KERNELS, "palettized", lambda *a, **k: None)
         torch.testing.assert_close(model(input_ids=ids).logits, fast, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(model(input_ids=ids[:1, :1]).logits, step, rtol=1e-4, atol=1e-4)
 
@@ -159,7 +159,7 @@ def test_each_cpu_builds_its_own_kernels(monkeypatch):
 @pytest.mark.parametrize("bias", [False, True])
 def test_lowrank_kernel_equals_the_two_matmuls(rows, bias):
     """Odd sizes (rank 13, in 70, out 37) exercise the vector loops' tails and the row remainders."""
-    from wscompress.methods.svd import LowRankLinear
+    from wscompress.modeling_wscompress import LowRankLinear
 
     torch.manual_seed(rows)
     lin = LowRankLinear(70, 37, 13, bias=bias)
@@ -167,7 +167,7 @@ def test_lowrank_kernel_equals_the_two_matmuls(rows, bias):
     ref = lin.coeff(lin.basis(x)).detach()
     with torch.no_grad():
         fused = kernels.low_rank_linear(x, lin.basis.weight, lin.coeff.weight, lin.coeff.bias)
-        assert (fused is None) == (rows > kernels.DECODE_ROWS)  # decoding runs the kernel, prefill the BLAS
+        assert (fused is None) == (rows > DECODE_ROWS)  # decoding runs the kernel, prefill the BLAS
         torch.testing.assert_close(lin(x.view(1, rows, 70)), ref.view(1, rows, 37), rtol=1e-5, atol=1e-5)
     assert kernels.low_rank_linear(x, lin.basis.weight, lin.coeff.weight, lin.coeff.bias) is None  # training: torch
     lin(x).sum().backward()
@@ -183,7 +183,7 @@ def test_low_rank_model_decodes_like_the_reference_path(tokenizer, monkeypatch, 
     with torch.no_grad():
         out = model(input_ids=ids, use_cache=True)
         step = model(input_ids=ids[:, :1] + 1, past_key_values=out.past_key_values).logits
-        monkeypatch.setattr(kernels, "low_rank_linear", lambda *a, **k: None)
+        monkeypatch.setitem(KERNELS, "low_rank", lambda *a, **k: None)
         out = model(input_ids=ids, use_cache=True)
         torch.testing.assert_close(model(input_ids=ids[:, :1] + 1, past_key_values=out.past_key_values).logits, step,
                                    rtol=1e-4, atol=1e-4)
@@ -197,6 +197,7 @@ import torch.nn.functional as F
 from test_kernels import layer
 from wscompress import kernels
 from wscompress.kernels import lut_triton
+from wscompress.modeling_wscompress import DECODE_ROWS
 
 import triton
 import triton.language as tl
@@ -220,7 +221,7 @@ kernels._load_triton = lambda: (lut_triton, "interpreted")
 for bits, group_size, outliers in [(4, 1, 0), (4, 16, 5), (3, 1, 7), (2, 8, 0), (5, 1, 3), (8, 4, 0), (6, 48, 0)]:
     for dtype, tol in [(torch.float32, 1e-4), (torch.float16, 2e-2)]:  # float16: output rounding
         lin = layer(bits, group_size, inp=600, outliers=outliers).to(dtype)
-        for rows in (1, 3, kernels.DECODE_ROWS):
+        for rows in (1, 3, DECODE_ROWS):
             x = torch.randn(rows, 600).to(dtype)
             ref = F.linear(x.float(), lin.dense_weight().float(), lin.bias.float())
             with torch.no_grad():
@@ -229,7 +230,7 @@ for bits, group_size, outliers in [(4, 1, 0), (4, 16, 5), (3, 1, 7), (2, 8, 0), 
             assert y.dtype == dtype
             torch.testing.assert_close(y.float(), ref.view(1, rows, -1), rtol=tol, atol=tol)
         with torch.no_grad():  # prefill: cuBLAS on the decoded weight
-            assert lin.lut_forward(torch.randn(kernels.DECODE_ROWS + 1, 600).to(dtype)) is None
+            assert lin.lut_forward(torch.randn(DECODE_ROWS + 1, 600).to(dtype)) is None
 print("ok")
 """
 

@@ -17,7 +17,7 @@ from wscompress import storage
 from wscompress.errors import UsageError
 from wscompress import clustering
 from wscompress.clustering import cluster
-from wscompress.methods.kmeans import PalettizedLinear
+from wscompress.modeling_wscompress import PalettizedLinear
 from wscompress.recipe import load_recipe
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -187,7 +187,7 @@ def test_stage_save_load_identical_outputs_and_honest_size(stage, tokenizer, tmp
             assert row["bits_per_weight"] == pytest.approx(stage["bits"] / d + codebook_bits / n)
     if stage.get("entropy_coding"):
         assert report["entropy_bits"] <= report["huffman_bits"] < report["entropy_bits"] + 1
-    manifest = json.loads((tmp_path / "m" / storage.MANIFEST).read_text())
+    manifest = json.loads((tmp_path / "m" / "config.json").read_text())["compression"]
     assert {e["type"] for e in manifest["modules"].values()} == {"PalettizedLinear"}
 
 
@@ -249,7 +249,7 @@ def test_tied_embedding_and_head_are_one_palettized_table(tokenizer, tmp_path, o
     and a dense export gives stock transformers the same model."""
     from transformers import AutoModelForCausalLM
 
-    from wscompress.methods.kmeans import PalettizedEmbedding
+    from wscompress.modeling_wscompress import PalettizedEmbedding
 
     model = tiny_model("llama")  # tied
     stage = {"method": "kmeans", "bits": 4, "targets": ["lm_head", r"layers\.0\.mlp"], "outliers": outliers}

@@ -24,7 +24,7 @@ print(next(int(line.split()[1]) for line in open("/proc/self/status") if line.st
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
 def test_large_frees_go_back_to_the_system():
     """Tensors freed below a live one stay resident on glibc's heap; with return_large_frees
-    (what the CLI sets up) they are unmapped."""
+    (what ``import wscompress`` sets up when it loads torch) they are unmapped."""
     rss = {mode: int(subprocess.run([sys.executable, "-c", CHILD, mode], capture_output=True, text=True,
                                     check=True).stdout) for mode in ("off", "on")}
     assert rss["on"] < rss["off"] - 200, rss
@@ -32,9 +32,8 @@ def test_large_frees_go_back_to_the_system():
 
 HUGE = """
 import sys
-from wscompress.memory import tensors_on_huge_pages
 if sys.argv[1] == "on":
-    tensors_on_huge_pages()
+    import wscompress  # sets the process up before it loads torch
 import torch
 t = torch.ones(16 << 20)  # 64 MB
 address, flags = t.data_ptr(), None
@@ -62,9 +61,8 @@ def test_large_tensors_are_advised_onto_huge_pages():
 
 SPIN = """
 import sys, time
-from wscompress.memory import idle_blas_threads
 if sys.argv[1] == "on":
-    idle_blas_threads()
+    import wscompress  # sets the process up before it loads anything of its own
 import numpy as np
 from scipy.linalg.blas import ssyrk
 x = np.random.default_rng(0).standard_normal((500, 4000), dtype=np.float32)
@@ -78,8 +76,9 @@ print(time.process_time() - start)
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="OpenBLAS runs threads only on several cores")
 def test_blas_threads_sleep_once_a_call_ends():
-    """What the CLI sets up before scipy loads makes OpenBLAS's threads sleep when a call ends;
-    by default they spin ~0.1 s on the cores torch's next layer needs."""
+    """What ``import wscompress`` sets up first (before torch, transformers and scipy load) makes
+    OpenBLAS's threads sleep when a call ends; by default they spin ~0.1 s on the cores torch's
+    next layer needs."""
     env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_THREAD_TIMEOUT", "OPENBLAS_NUM_THREADS",
                                                              "OMP_NUM_THREADS")}
     spent = {mode: float(subprocess.run([sys.executable, "-c", SPIN, mode], capture_output=True, text=True,

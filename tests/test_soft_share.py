@@ -14,10 +14,10 @@ from wscompress.errors import UsageError
 from wscompress.finetune import finetune
 from wscompress.methods import METHODS
 from wscompress.linalg import low_rank
-from wscompress.methods.soft_share import LowRankDeltaLinear, shared_plus_deltas
+from wscompress.methods.soft_share import shared_plus_deltas
+from wscompress.modeling_wscompress import LowRankDeltaLinear
 from wscompress.sharing import aligned_weights, alignment, ffn_names
 from wscompress.recipe import load_recipe
-
 
 
 class Calibration:
@@ -25,8 +25,7 @@ class Calibration:
     calibration file for every test would dominate the run time)."""
 
     def __init__(self, tokenizer):
-        with open(WIKI_TRAIN) as f:
-            ids = tokenizer(f.read(20_000), return_tensors="pt").input_ids[0]
+        ids = tokenizer(data.load_text(WIKI_TRAIN)[:20_000], return_tensors="pt").input_ids[0]
         self.batches = data.sample_batches(ids, 4, 32, 2, seed=0)
 
     def calibration(self):
@@ -131,8 +130,7 @@ def test_low_rank_window_shares_the_base_and_saves_once(tokenizer, tmp_path):
 def small_recipe(tmp_path, **finetune_options):
     """A finetune recipe on a short slice of the wiki text (fast to tokenize)."""
     text = tmp_path / "wiki.txt"
-    with open(WIKI_TRAIN) as f:
-        text.write_text(f.read(30_000))
+    text.write_text(data.load_text(WIKI_TRAIN)[:30_000])
     return load_recipe(data={"finetune": {"seq_len": 32, "batch_size": 2, "eval_windows": 1, "dataset": str(text),
                                           **finetune_options},
                              "eval": {"perplexity": [str(text)]}, "output": {"dir": str(tmp_path)}})

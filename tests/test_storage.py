@@ -43,7 +43,7 @@ def test_shared_modules_stored_once_and_retied(tmp_path, tokenizer):
     assert loaded.model.layers[1].mlp.up_proj is loaded.model.layers[0].mlp.up_proj
     assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
     assert torch.equal(logits(model), logits(loaded))
-    assert tok is not None and json.loads((tmp_path / "m" / storage.MANIFEST).read_text())["format"] == "wscompress"
+    assert tok is not None and json.loads((tmp_path / "m" / "config.json").read_text())["compression"]["format"] == "wscompress"
 
 
 def test_load_skips_the_random_init(tmp_path, tokenizer, monkeypatch):

@@ -10,7 +10,7 @@ from conftest import WIKI_TEST, tiny_model
 from wscompress import data, storage
 from wscompress.errors import UsageError
 from wscompress.linalg import low_rank, rank_for_ratio, refit_coefficients, truncation_by_iteration, whitening
-from wscompress.methods.svd import LowRankLinear
+from wscompress.modeling_wscompress import LowRankLinear
 
 CALIB = {"dataset": "pydoc", "num_samples": 8, "seq_len": 64, "batch_size": 4, "dtype": "float32"}  # exact float32 references
 IDS = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(1))

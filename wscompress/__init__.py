@@ -1,15 +1,35 @@
-"""wscompress: make HuggingFace language models smaller by weight sharing and weight clustering."""
+"""wscompress: make HuggingFace language models smaller by weight sharing and weight clustering.
+
+Importing it lets ``transformers.AutoModelForCausalLM.from_pretrained`` load the folders it
+writes, with its compiled kernels as the compressed layers' fast paths.
+"""
 
 __version__ = "0.1.0"
+
+import sys as _sys  # noqa: E402
+
+from . import memory as _memory  # noqa: E402
+
+if "torch" not in _sys.modules:  # wscompress loads torch (its CLI, a script of its own): set the process up for it
+    _memory.return_large_frees()
+    _memory.tensors_on_huge_pages()
+    _memory.idle_blas_threads()
+
+from . import kernels  # noqa: E402,F401  (registers the kernels with the compressed layers)
+from .modeling_wscompress import register as _register  # noqa: E402
+
+_register()
 
 
 def load(path: str, dtype=None, device: str = "auto"):
     """Load a checkpoint written by ``wscompress compress`` (or any HF folder): (model, tokenizer),
-    on ``device`` (auto: the GPU where there is one, as in recipes)."""
+    in ``dtype`` (a torch dtype or its name; None: as stored) on ``device`` (auto: the GPU where
+    there is one, as in recipes)."""
     from .model import load_model
     from .recipe import ModelConfig
 
-    return load_model(ModelConfig(path=str(path), dtype="auto" if dtype is None else dtype, device=device))
+    dtype = "auto" if dtype is None else str(dtype).removeprefix("torch.")
+    return load_model(ModelConfig(path=str(path), dtype=dtype, device=device))
 
 
 def compress(model, stages: list, tokenizer=None, calibration: dict | None = None) -> list[dict]:

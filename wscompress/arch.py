@@ -13,15 +13,12 @@ from functools import cached_property
 
 import torch
 from torch import nn
+from transformers.pytorch_utils import Conv1D  # GPT-2 style layers store weight as (in, out)
 
 from .errors import UsageError
+from .modeling_wscompress import CompressedLinear, weight_of  # noqa: F401  (the (out, in) weight of any linear)
 
-try:  # GPT-2 style layers store weight as (in, out)
-    from transformers.pytorch_utils import Conv1D
-except ImportError:  # pragma: no cover
-    Conv1D = ()
-
-LINEAR_TYPES = (nn.Linear, Conv1D)
+LINEAR_TYPES = (nn.Linear, Conv1D)  # dense linears, and the compressed ones (nn.Linear subclasses) too
 
 # leaf name -> role; attention roles apply inside an attention submodule, MLP roles elsewhere
 ATTN_ROLES = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "out_proj": "o",
@@ -37,25 +34,21 @@ def is_linear(module: nn.Module) -> bool:
     return isinstance(module, LINEAR_TYPES) or (hasattr(module, "in_features") and hasattr(module, "dense_weight"))
 
 
-def weight_of(module: nn.Module) -> torch.Tensor:
-    """The weight as (out_features, in_features), whatever the module stores."""
-    if Conv1D and isinstance(module, Conv1D):
-        return module.weight.t()
-    if isinstance(module, nn.Linear):
-        return module.weight
-    return module.dense_weight()
+def is_dense_linear(module: nn.Module) -> bool:
+    """An nn.Linear or Conv1D holding its weight as it is (not a compressed layer)."""
+    return isinstance(module, LINEAR_TYPES) and not isinstance(module, CompressedLinear)
 
 
 def dims_of(module: nn.Module) -> tuple[int, int]:
     """(in_features, out_features)."""
-    if Conv1D and isinstance(module, Conv1D):
+    if isinstance(module, Conv1D):
         return module.weight.shape[0], module.weight.shape[1]
     return module.in_features, module.out_features
 
 
 def as_linear(module: nn.Module) -> nn.Linear:
-    """An nn.Linear computing the same function (a copy for Conv1D, the module itself otherwise)."""
-    if isinstance(module, nn.Linear):
+    """An nn.Linear computing the same function (the module itself if it is one, else a copy)."""
+    if is_dense_linear(module) and isinstance(module, nn.Linear):
         return module
     w = weight_of(module).detach()
     lin = nn.Linear(w.shape[1], w.shape[0], bias=getattr(module, "bias", None) is not None,
@@ -194,12 +187,14 @@ def discover(model: nn.Module) -> Arch:
 
 def match_modules(model: nn.Module, targets: list[str], ignore: list[str] = (),
                   kind: type | tuple = LINEAR_TYPES, what: str = "targets") -> dict[str, nn.Module]:
-    """Modules of type ``kind`` whose names match any target regex (re.search) and no ignore regex.
+    """Modules of type ``kind`` whose names match any target regex (re.search) and no ignore regex
+    (linears: dense ones only, a compressed layer is not compressed again as a whole).
 
     A target that matches nothing is a user error: a typo should not silently compress nothing.
     A module shared between layers matches under each of its names.
     """
-    candidates = {n: m for n, m in model.named_modules(remove_duplicate=False) if n and isinstance(m, kind)}
+    candidates = {n: m for n, m in model.named_modules(remove_duplicate=False)
+                  if n and isinstance(m, kind) and not isinstance(m, CompressedLinear)}
     out: dict[str, nn.Module] = {}
     for pattern in targets:
         try:

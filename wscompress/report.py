@@ -91,3 +91,88 @@ def write(out_dir: str | Path, name: str, payload: dict, recipe: dict | None = N
     tmp.replace(path)
     (reports / f"{name}.md").write_text(to_markdown(name, full))
     return path
+
+
+CARD = "README.md"
+
+
+def _fresh(report: Path, model: Path) -> bool:
+    """Whether a report describes the model folder as it is (written after it)."""
+    return report.stat().st_mtime >= (model / "config.json").stat().st_mtime
+
+
+def model_card(out_dir: str | Path) -> str | None:
+    """The model card of ``<out>/model`` in the hub's format (YAML metadata, then Markdown): base
+    model, methods with their options, size before and after, and the perplexities and speeds
+    the run's reports measured on this very folder (older reports are left out)."""
+    from .model import BUILTINS
+
+    out = Path(out_dir)
+    folder = out / "model"
+    if not (folder / "config.json").is_file():
+        return None
+    reports = {name: json.loads(p.read_text()) for name in ("compress", "finetune", "eval", "bench")
+               if (p := out / "reports" / f"{name}.json").is_file() and (name in ("compress", "finetune") or _fresh(p, folder))}
+    if "compress" not in reports:
+        return None
+    compress, recipe = reports["compress"], reports["compress"]["recipe"]
+    source = recipe["model"]["path"]
+    builtin = BUILTINS.get(source.removeprefix("builtin:")) if source.startswith("builtin:") else None
+    base = builtin.origin if builtin else source
+    hub_id = base.count("/") == 1 and not Path(base).expanduser().exists()
+    methods = list(dict.fromkeys(stage["method"] for stage in compress["stages"]))
+    meta = ([f"base_model: {base}"] if hub_id else []) + ["library_name: transformers", "pipeline_tag: text-generation",
+                                                          "tags:", "- wscompress", *(f"- {m}" for m in methods)]
+    lines = ["---", *meta, "---", "", f"# {recipe.get('name') or folder.name}: {base}, compressed by wscompress", "",
+             f"`{base}`{' (de-quantized from its Q4_1 GGUF)' if builtin else ''} compressed with "
+             f"{', then '.join(f'`{m}`' for m in methods)} by [wscompress](https://pypi.org/project/wscompress/).", "",
+             "## Use it", "", "```python", "import wscompress  # registers the compressed layers (and its kernels) with transformers",
+             "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
+             'model = AutoModelForCausalLM.from_pretrained("PATH")  # PATH: this folder or its hub id',
+             'tokenizer = AutoTokenizer.from_pretrained("PATH")', "```", "",
+             "Without wscompress installed: `AutoModelForCausalLM.from_pretrained(PATH, trust_remote_code=True)` runs "
+             "the torch code in `modeling_wscompress.py` (same logits, no compiled kernels).", "",
+             "## Size", "", markdown_table([
+                 {"model": "original", "parameters": compress["original"]["params"],
+                  "tensor MB": round(compress["original"]["tensor_bytes"] / 2**20, 1)},
+                 {"model": "compressed", "parameters": compress["compressed"]["params"],
+                  "tensor MB": round(compress["compressed"]["tensor_bytes"] / 2**20, 1),
+                  "file MB": round(compress["compressed"]["file_bytes"] / 2**20, 1)}]), "",
+             f"{compress['param_ratio']:.1%} of the original parameters.", "",
+             "## Methods", "", markdown_table([{"stage": s["stage"], "method": s["method"], "parameters before": s["params_before"],
+                                                "after": s["params_after"], "seconds": s["seconds"]} for s in compress["stages"]]), "",
+             "Every option of each stage (the recipe as run):", "", "```json",
+             json.dumps(recipe["compress"], indent=1), "```", ""]
+    if "finetune" in reports:
+        ft = reports["finetune"]
+        lines += ["## Recovery fine-tuning", "", f"Mode `{ft['mode']}`, {ft['steps']} steps ({ft['seconds']} s) on "
+                  f"`{ft['recipe']['finetune']['dataset']}`.", ""]
+    if "eval" in reports:
+        ev = reports["eval"]
+        e = ev["recipe"]["eval"]
+        protocol = [f"windows of {e['context_length']} tokens"] + ([f"the first {e['max_windows']}"] if e["max_windows"] else []) \
+            + ([f"stride {e['stride']}"] if e["stride"] else [])
+        lines += ["## Perplexity", "", markdown_table([{k: r[k] for k in ("model", "source", "ppl", "tokens", "bos")}
+                                                       for r in ev["results"]]), "",
+                  f"{', '.join(protocol).capitalize()}; measured by `wscompress eval`.", ""]
+        if ev.get("tasks"):
+            lines += ["## Tasks (lm-eval)", "", markdown_table(ev["tasks"]), ""]
+    if "bench" in reports:
+        bench = reports["bench"]
+        device = bench["details"]["original"]["device"]
+        lines += ["## Speed", "", markdown_table(bench["table"]), "",
+                  f"On {device} ({bench['environment']['gpu'] or str(bench['environment']['cpu_count']) + ' CPUs'}); "
+                  f"{bench['timing']}; kernels: {bench['kernels'].get('compressed', '-')}.", ""]
+    return "\n".join(lines)
+
+
+def write_model_card(out_dir: str | Path) -> Path | None:
+    """Write ``<out>/model/README.md`` (see ``model_card``); None when there is no compressed model."""
+    text = model_card(out_dir) if is_main() else None
+    if text is None:
+        return None
+    path = Path(out_dir) / "model" / CARD
+    tmp = path.with_suffix(".md.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+    return path

@@ -1,15 +1,12 @@
-"""Saving and loading compressed models as safetensors, every shared tensor stored once.
+"""Saving and loading compressed models: a HF folder that transformers loads too.
 
-A compressed checkpoint is a normal HF folder (``config.json``, tokenizer files) plus:
-
-- ``model.safetensors``: each distinct tensor once, under the first name that reaches it;
-- ``wscompress.json``: the manifest: which modules were swapped for compressed layers (type
-  and constructor spec), which module names are aliases of another (cross-layer sharing,
-  shared bases) and which tensor names are aliases (tied embeddings).
-
-``load`` rebuilds the model from its config, swaps the modules, re-creates the aliases and
-loads the tensors, so shared weights are shared in memory again. ``export_dense`` writes a
-plain checkpoint that stock transformers loads.
+A compressed checkpoint is a HF folder whose ``config.json`` describes the compressed model
+(``modeling_wscompress.WSCompressConfig``: the base model's config and how its layers are
+stored), with the weight files holding each distinct tensor once (under the first name that
+reaches it), the modeling code beside them (``modeling_wscompress.py``, for
+``trust_remote_code``), the tokenizer and a model card. ``load`` rebuilds the model through
+the same classes ``AutoModelForCausalLM`` uses, so both give the same model. ``export_dense``
+writes a plain checkpoint of the base architecture.
 """
 
 from __future__ import annotations
@@ -21,7 +18,6 @@ import json
 import os
 import shutil
 import tempfile
-import weakref
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -34,31 +30,21 @@ from torch import nn
 from . import tensorio
 from .arch import get_module, set_module
 from .errors import UsageError
-from .modules import MODULE_TYPES
+from .modeling_wscompress import LAYERS, WSCompressConfig, describe, module_aliases, tensor_aliases, tie, write_code
 from .offload import offload_of
 
-MANIFEST = "wscompress.json"
 WEIGHTS = "model.safetensors"
 SHARD_INDEX = "model.safetensors.index.json"
-FORMAT_VERSION = 1
+LEGACY_MANIFEST = "wscompress.json"  # folders written before config.json described the compression (format 1)
 
 
 def is_compressed(path: str | Path) -> bool:
-    return (Path(path) / MANIFEST).is_file()
-
-
-def _module_aliases(model: nn.Module) -> dict[str, str]:
-    """alias name -> canonical (first) name, for modules reachable under several names."""
-    first: dict[int, str] = {}
-    aliases: dict[str, str] = {}
-    for name, module in model.named_modules(remove_duplicate=False):
-        if any(name.startswith(a + ".") for a in aliases):
-            continue  # inside an aliased module: covered by the alias itself
-        if id(module) in first:
-            aliases[name] = first[id(module)]
-        else:
-            first[id(module)] = name
-    return aliases
+    path = Path(path)
+    try:
+        return json.loads((path / "config.json").read_text()).get("model_type") == WSCompressConfig.model_type \
+            or (path / LEGACY_MANIFEST).is_file()
+    except (OSError, json.JSONDecodeError):
+        return (path / LEGACY_MANIFEST).is_file()
 
 
 def entries(model: nn.Module, load: bool = False) -> Iterator[tuple[str, torch.Tensor | str]]:
@@ -66,14 +52,18 @@ def entries(model: nn.Module, load: bool = False) -> Iterator[tuple[str, torch.T
     (alias name, canonical name) for the others (a module reached under several names, a tensor
     tied to another). With ``load`` each decoder layer of an offloaded model is onloaded while
     its entries are read, one at a time; without, offloaded tensors are shape-only placeholders."""
+    aliases = tensor_aliases(model)
     offload = offload_of(model)
     arch = offload.arch if offload.moves else None
-    first_module: dict[int, str] = {}
-    first_tensor: dict[int, tuple[weakref.ref, str]] = {}  # weak: an offloaded layer's tensors must be freed
-    first_name: dict[str, str] = {}
+    seen: set[int] = set()
     current, holding = None, contextlib.nullcontext()
     try:
         for mname, module in model.named_modules(remove_duplicate=False):
+            prefix = f"{mname}." if mname else ""
+            if id(module) in seen:  # the same module under an earlier name: every entry is an alias
+                yield from ((n, aliases[n]) for n in aliases if n.startswith(prefix) and "." not in n[len(prefix):])
+                continue
+            seen.add(id(module))
             layer = arch.layer_of(mname) if arch is not None and load else None
             if layer != current:
                 holding.__exit__(None, None, None)
@@ -81,22 +71,9 @@ def entries(model: nn.Module, load: bool = False) -> Iterator[tuple[str, torch.T
                 holding.__enter__()
                 current = layer
             own: dict[str, torch.Tensor] = {}
-            module._save_to_state_dict(own, f"{mname}." if mname else "", True)  # a layer's own storage rules apply
-            canonical = first_module.setdefault(id(module), mname)
+            module._save_to_state_dict(own, prefix, True)  # a layer's own storage rules apply
             for name, t in own.items():
-                leaf = name.rpartition(".")[2]
-                if canonical != mname:  # the same module under an earlier name
-                    first = f"{canonical}.{leaf}"
-                    yield name, first_name.get(first, first)
-                    continue
-                source = module._parameters.get(leaf, module._buffers.get(leaf, t))  # own holds stored forms
-                hit = first_tensor.get(id(source))
-                if hit is not None and hit[0]() is source:  # tied to a tensor met before
-                    first_name[name] = hit[1]
-                    yield name, hit[1]
-                else:
-                    first_tensor[id(source)] = (weakref.ref(source), name)
-                    yield name, t.detach()
+                yield (name, aliases[name]) if name in aliases else (name, t.detach())
     finally:
         holding.__exit__(None, None, None)
 
@@ -140,14 +117,6 @@ def trainable_modules(model: nn.Module) -> list[nn.Module]:
     return [names[n] for n in model.__dict__.get("wscompress_trains", []) if n in names]
 
 
-def structure(model: nn.Module) -> dict:
-    modules, aliases = {}, _module_aliases(model)
-    for name, module in model.named_modules():
-        if type(module).__name__ in MODULE_TYPES and name not in aliases:
-            modules[name] = {"type": type(module).__name__, "spec": module.spec()}
-    return {"modules": modules, "module_aliases": aliases, "trains": model.__dict__.get("wscompress_trains", [])}
-
-
 def _exchange(a: Path, b: Path) -> bool:
     """Swap two paths in one atomic step (Linux renameat2 with RENAME_EXCHANGE); False where
     the system or file system cannot."""
@@ -188,15 +157,13 @@ def atomic_dir(target: str | Path) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def save(model: nn.Module, tokenizer, out_dir: str | Path, info: dict | None = None,
-         max_shard_size: int = 2**30) -> dict:
+def save(model: nn.Module, tokenizer, out_dir: str | Path, max_shard_size: int = 2**30) -> dict:
     """Write a compressed checkpoint atomically, shard by shard (``max_shard_size`` bytes at most
     in memory and in each file; an offloaded model is read one decoder layer at a time);
     returns its stats incl. the real file size."""
     with atomic_dir(out_dir) as tmp:
         shards: list[str] = []
         pending: dict[str, torch.Tensor] = {}
-        aliases: dict[str, str] = {}
 
         def flush() -> None:
             shards.append(f"model-{len(shards) + 1:05d}.safetensors")
@@ -208,8 +175,7 @@ def save(model: nn.Module, tokenizer, out_dir: str | Path, info: dict | None = N
         size = 0
         for name, value in entries(model, load=True):
             if isinstance(value, str):
-                aliases[name] = value
-                continue
+                continue  # an alias: config.json names it, the files hold the tensor once
             nbytes = value.numel() * value.element_size()
             if pending and size + nbytes > max_shard_size:
                 flush()
@@ -225,14 +191,15 @@ def save(model: nn.Module, tokenizer, out_dir: str | Path, info: dict | None = N
                 (tmp / old).rename(tmp / new)
             (tmp / SHARD_INDEX).write_text(json.dumps({"metadata": {"format": "pt"},
                                                        "weight_map": {k: named[v] for k, v in index.items()}}, indent=1))
-        manifest = {"format": "wscompress", "version": FORMAT_VERSION, **structure(model),
-                    "tensor_aliases": aliases, "info": info or {}}
-        model.config.save_pretrained(tmp)
+        config = WSCompressConfig.wrapping(model.config, describe(model))
+        if config.dtype is None:  # say it: "auto" would otherwise take the first tensor's, maybe a codebook's float16
+            config.dtype = next(t.dtype for t in model.parameters() if t.is_floating_point())
+        config.save_pretrained(tmp)
+        write_code(tmp)
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
         file_bytes = sum(f.stat().st_size for f in weight_files(tmp))
     return {**stats(model), "file_bytes": file_bytes}
 
@@ -245,47 +212,51 @@ def weight_files(path: str | Path) -> list[Path]:
     return [path / WEIGHTS]
 
 
+def compressed_config(path: Path) -> WSCompressConfig:
+    """The config of a compressed folder (one written before config.json described the
+    compression: its base config and manifest together)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    if isinstance(config, WSCompressConfig):
+        return config
+    manifest = json.loads((path / LEGACY_MANIFEST).read_text())
+    return WSCompressConfig.wrapping(config, {k: manifest.get(k, {}) for k in ("modules", "module_aliases", "tensor_aliases")}
+                                     | {"trains": manifest.get("trains", [])})
+
+
 def load(path: str | Path, dtype: torch.dtype | None = None) -> tuple[nn.Module, object]:
-    """Rebuild a model written by ``save``: same modules, same sharing, same tensors."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    """Rebuild a model written by ``save``: same modules, same sharing, same tensors (the model
+    ``AutoModelForCausalLM.from_pretrained`` gives, loaded by wscompress's own reader, which
+    also takes folders of format 1)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
         from transformers.initialization import no_init_weights
     except ImportError:  # transformers 4
         from transformers.modeling_utils import no_init_weights
 
-    from . import methods  # noqa: F401  (importing the methods registers their module types)
-
     path = Path(path)
     try:
-        manifest = json.loads((path / MANIFEST).read_text())
+        config = compressed_config(path)
         tensors = {k: v for f in weight_files(path) for k, v in load_file(f).items()}
-    except (OSError, json.JSONDecodeError, SafetensorError) as err:
+    except (OSError, json.JSONDecodeError, SafetensorError, ValueError, KeyError) as err:
         raise UsageError(f"{path}: corrupt or incomplete compressed checkpoint ({type(err).__name__}: {err})",
                          "re-run `wscompress compress` to write it again") from None
-    config = AutoConfig.from_pretrained(path)
+    unknown = sorted({e["type"] for e in config.compression["modules"].values()} - set(LAYERS))
+    if unknown:
+        raise UsageError(f"{path}: unknown compressed layer type {unknown[0]!r}", "upgrade wscompress to the version that wrote it")
     with no_init_weights():  # every weight comes from the file: a random init first is wasted time (minutes at 7B)
-        model = AutoModelForCausalLM.from_config(config)
-        for name, entry in manifest["modules"].items():
-            cls = MODULE_TYPES.get(entry["type"])
-            if cls is None:
-                raise UsageError(f"{path}: unknown module type {entry['type']!r}", "upgrade wscompress to the version that wrote it")
-            set_module(model, name, cls(**entry["spec"]))
-    for alias, canonical in manifest["module_aliases"].items():
-        set_module(model, alias, get_module(model, canonical))
-    mark_trainable(model, manifest.get("trains", []))
-    missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
-    aliases = manifest["tensor_aliases"]
+        # the base architecture with the compressed layers in place, made in ``dtype`` as transformers makes
+        # it (buffers it computes itself, RoPE's frequencies, stay in float32)
+        model = AutoModelForCausalLM.from_config(config, **({} if dtype is None else {"dtype": dtype}))
+    aliases = config.compression["tensor_aliases"]
+    # as stored: the file's tensors themselves; in another dtype: copied into the model's (cast on the way)
+    missing, unexpected = model.load_state_dict(tensors, strict=False, assign=dtype is None)
     if unexpected or set(missing) - set(aliases):
         raise UsageError(f"{path}: weights do not match the manifest (missing {sorted(set(missing) - set(aliases))[:3]}, "
                          f"unexpected {unexpected[:3]})", "re-run `wscompress compress` to write it again")
-    for alias, canonical in aliases.items():
-        owner, _, leaf = alias.rpartition(".")
-        target = model.get_parameter(canonical) if canonical in dict(model.named_parameters()) else model.get_buffer(canonical)
-        if getattr(get_module(model, owner), leaf) is not target:
-            setattr(get_module(model, owner), leaf, target)
-    if dtype is not None:
-        model.to(dtype)  # only floating tensors change: packed integer indices stay as they are
+    tie(model, aliases)
     tokenizer = AutoTokenizer.from_pretrained(path) if (path / "tokenizer_config.json").is_file() else None
     if tokenizer is not None and tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -294,26 +265,26 @@ def load(path: str | Path, dtype: torch.dtype | None = None) -> tuple[nn.Module,
 
 
 def export_dense(model: nn.Module, tokenizer, out_dir: str | Path) -> None:
-    """Write a plain HF checkpoint: compressed layers materialised, sharing undone (tied
-    embeddings stay tied through the config), loadable by stock ``from_pretrained``."""
+    """Write a plain HF checkpoint of the base architecture: compressed layers materialised,
+    sharing undone (tied embeddings stay tied through the config), loadable by stock
+    ``from_pretrained``."""
+    from transformers import AutoModelForCausalLM
+
     dense = copy.deepcopy(model)
     replaced: list[str] = []
     for name, module in list(dense.named_modules(remove_duplicate=False)):
         inside = any(name.startswith(r + ".") for r in replaced)  # materialised with its parent
-        if not inside and hasattr(module, "to_dense") and type(module).__name__ in MODULE_TYPES:
+        if not inside and type(module).__name__ in LAYERS:
             set_module(dense, name, module.to_dense())
             replaced.append(name)
-    for alias in _module_aliases(dense):
+    for alias in module_aliases(dense):
         set_module(dense, alias, copy.deepcopy(get_module(dense, alias)))
-    tied = {id(dense.get_input_embeddings().weight)} if getattr(dense.config, "tie_word_embeddings", False) else set()
-    seen: set[int] = set()
-    for name, p in list(dense.named_parameters(remove_duplicate=False)):
-        if id(p) in seen and id(p) not in tied:
-            owner, _, leaf = name.rpartition(".")
-            setattr(get_module(dense, owner), leaf, nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad))
-        seen.add(id(p))
+    config = model.config.base_config() if isinstance(model.config, WSCompressConfig) else copy.deepcopy(model.config)
+    plain = AutoModelForCausalLM.from_config(config)  # the base class: its config is all it writes
+    plain.load_state_dict(dense.state_dict(), strict=True)
+    plain.to(next(dense.parameters()).dtype)
     with atomic_dir(out_dir) as tmp:
-        dense.save_pretrained(tmp)
+        plain.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
 

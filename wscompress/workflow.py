@@ -125,6 +125,8 @@ def apply_stages(model: nn.Module, tokenizer, recipe: Recipe, workdir: str | Pat
     Statistics a stage computes for itself go to a scratch folder in ``workdir``."""
     from .methods import METHODS
 
+    from .modeling_wscompress import adopt
+
     ctx = Context(recipe, tokenizer, workdir)
     rows = []
     offload = offload_of(model)
@@ -142,7 +144,25 @@ def apply_stages(model: nn.Module, tokenizer, recipe: Recipe, workdir: str | Pat
                      "params_after": storage.stats(model)["params"], "seconds": round(time.perf_counter() - start, 2),
                      "calibration": ctx.describe(), **result})
         ui.log(f"stage {i} {stage.method}: {rows[-1]['params_before']:,} -> {rows[-1]['params_after']:,} parameters")
+    if savable(model):
+        adopt(model)  # a compressed model: its own save_pretrained writes a folder transformers loads back
     return rows
+
+
+def savable(model: nn.Module) -> bool:
+    """Whether a compressed folder can describe ``model``: a transformers causal LM of an
+    architecture transformers ships (the folder names it for loading)."""
+    from transformers import PreTrainedModel
+
+    from .modeling_wscompress import family
+
+    if not isinstance(model, PreTrainedModel):
+        return False
+    try:
+        family(getattr(model.config, "base_model_type", None) or model.config.model_type)
+    except (ValueError, KeyError):
+        return False
+    return True
 
 
 def step_calibrate(recipe: Recipe) -> dict:
@@ -175,14 +195,18 @@ def step_compress(recipe: Recipe) -> dict:
         raise UsageError(f"{recipe.source or 'recipe'}: compress: no stages", "add e.g. '- method: svd' with its options")
     preflight(recipe, {"calibration"})
     model, tokenizer = load_model(recipe.model)
+    if not savable(model):  # before any work: the result could not be written
+        raise UsageError(f"model.path: {type(model).__name__} ({model.config.model_type}) is not an architecture "
+                         "transformers ships, so no compressed folder can name it for loading",
+                         "compress a checkpoint of a LLaMA, Mistral, Qwen2, Gemma, GPT-2, OPT, ... architecture")
     original = storage.stats(model)
     rows = apply_stages(model, tokenizer, recipe, recipe.out)
-    saved = storage.save(model, tokenizer, model_path(recipe), {"recipe": recipe_dict(recipe), "stages": rows},
-                         recipe.output.max_shard_size)
+    saved = storage.save(model, tokenizer, model_path(recipe), recipe.output.max_shard_size)
     out = {"model": str(model_path(recipe)), "original": original, "compressed": saved,
            "param_ratio": saved["params"] / original["params"], "stages": rows,
            "peak_memory_mb": round(report.peak_memory_mb(), 1)}
     report.write(recipe.out, "compress", out, recipe_dict(recipe))
+    report.write_model_card(recipe.out)
     ui.show("compress", [{"model": "original", **original}, {"model": "compressed", **saved}])
     return out
 
@@ -197,10 +221,10 @@ def step_finetune(recipe: Recipe, resume: bool = False) -> dict:
     model, out = finetune(model, tokenizer, recipe, resume=resume)
     if not distributed.is_main():  # every process trained the same weights; the first writes them
         return out
-    out["saved"] = storage.save(model, tokenizer, model_path(recipe), {"recipe": recipe_dict(recipe), "finetune": out},
-                                recipe.output.max_shard_size)
+    out["saved"] = storage.save(model, tokenizer, model_path(recipe), recipe.output.max_shard_size)
     out["peak_memory_mb"] = round(report.peak_memory_mb(), 1)
     report.write(recipe.out, "finetune", out, recipe_dict(recipe))
+    report.write_model_card(recipe.out)
     return out
 
 
@@ -253,6 +277,8 @@ def step_eval(recipe: Recipe, path: str | None = None) -> dict:
     if samples:
         out["samples"] = samples
     report.write(recipe.out, "eval", out, recipe_dict(recipe))
+    if path is None:  # the run's own model: its card gets the figures
+        report.write_model_card(recipe.out)
     ui.show("eval", rows)
     if tasks:
         ui.show("lm-eval", tasks)

@@ -112,8 +112,7 @@ def measure(model_cfg: ModelConfig, cfg: BenchConfig, quiet: bool = False) -> di
 def kernel_path(model: nn.Module) -> str:
     """How the model's compressed layers compute, in words (for the report)."""
     from .. import kernels
-    from ..methods.kmeans import PalettizedLinear
-    from ..methods.svd import LowRankLinear
+    from ..modeling_wscompress import LowRankLinear, PalettizedLinear
 
     cpu = model_device(model).type == "cpu"
     parts = []
@@ -171,5 +170,6 @@ def step_bench(recipe: Recipe) -> dict:
            "timing": ("cuda events" + (", decode steps replayed as CUDA graphs" if cfg.cuda_graph else "")) if cuda else
            f"wall clock, median of {cfg.repeats} after {cfg.warmup} warm-up"}
     report.write(recipe.out, "bench", out, recipe_dict(recipe))
+    report.write_model_card(recipe.out)
     ui.show("bench", rows)
     return out

@@ -22,14 +22,16 @@ import warnings
 from functools import cache
 from pathlib import Path
 from types import ModuleType
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import modeling_wscompress
+from ..modeling_wscompress import DECODE_ROWS, SparseRows
+
 HERE = Path(__file__).parent
-DECODE_ROWS = 8  # inputs with at most this many rows (decoding) use the kernels; longer ones the BLAS
 
 
 def _disabled() -> bool:
@@ -183,25 +185,6 @@ def status() -> str:
     return ", ".join(dict.fromkeys(paths))
 
 
-class SparseRows(NamedTuple):
-    """A palettized layer's weights kept aside from its codebook (outliers), as corrections by
-    weight row (CSR): row r's are at columns ``col[row_ptr[r]:row_ptr[r + 1]]``, each adding
-    ``delta`` (the exact weight minus its codebook value). By rows, the CPU kernel adds a row's
-    few while its sums are in registers."""
-    row_ptr: torch.Tensor  # (out + 1,) int64
-    col: torch.Tensor  # int32
-    delta: torch.Tensor  # float32
-
-    @classmethod
-    def from_positions(cls, pos: torch.Tensor, delta: torch.Tensor, shape: tuple[int, int]) -> SparseRows:
-        """From flat positions in a (out, in) weight, in any order, and their corrections."""
-        order = pos.argsort()
-        pos = pos[order]
-        counts = torch.bincount(pos // shape[1], minlength=shape[0])
-        row_ptr = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
-        return cls(row_ptr, (pos % shape[1]).to(torch.int32), delta[order].float().contiguous())
-
-
 _NO_OUTLIERS = SparseRows(*(torch.empty(0, dtype=t) for t in (torch.int64, torch.int32, torch.float32)))
 
 
@@ -261,3 +244,7 @@ def low_rank_linear(x: torch.Tensor, basis: torch.Tensor, coeff: torch.Tensor,
             or torch.is_grad_enabled() and (x.requires_grad or basis.requires_grad or coeff.requires_grad)):
         return None
     return module.lowrank_linear(x, basis, coeff, bias)
+
+
+# the compressed layers (modeling_wscompress) call these where they apply, their torch path elsewhere
+modeling_wscompress.KERNELS.update(palettized=palettized_linear, low_rank=low_rank_linear)

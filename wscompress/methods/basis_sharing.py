@@ -33,18 +33,12 @@ from ..compensate import refit_pass
 from ..data import first_samples
 from ..errors import UsageError
 from ..linalg import low_rank, refit_coefficients
-from ..modules import register_module
+from ..modeling_wscompress import SharedBasisLinear
 from ..offload import offload_of
 from . import register
 from .svd import LowRankConfig, LowRankLinear, decoder_projections
 
 Role = Literal["q", "k", "v", "o", "qkv", "gate", "up", "down", "gate_up"]
-
-
-@register_module
-class SharedBasisLinear(LowRankLinear):
-    """coeff(basis(x)) whose ``basis`` module is shared with the other layers of its group;
-    saving stores it once and loading re-ties it (see ``storage``)."""
 
 
 class BasisSharingConfig(LowRankConfig):

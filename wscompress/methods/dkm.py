@@ -36,21 +36,12 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .. import ui
-from ..arch import Conv1D, replace_everywhere, weight_of
+from ..arch import Conv1D, is_dense_linear, replace_everywhere, weight_of
 from ..clustering import Init, centroid_means, cluster, nearest
 from ..errors import UsageError
+from ..modeling_wscompress import CodebookDtype, PalettizedLinear, dequantize
 from ..recipe import Strict, _format_errors
-from .kmeans import (
-    CodebookDtype,
-    KMeansConfig,
-    PalettizedLinear,
-    check_layer,
-    dequantize,
-    group_size_of,
-    layer_report,
-    summarize,
-    target_layers,
-)
+from .kmeans import KMeansConfig, check_layer, group_size_of, layer_report, summarize, target_layers
 
 
 class DKMOptions(Strict):
@@ -187,7 +178,7 @@ def prepare_dkm(model: nn.Module, options: dict) -> tuple[list[nn.Parameter], li
         out = w.shape[0]
         gs, d = group_size_of(kcfg, out), opts.cluster_dim
         codebook, _ = cluster(w.detach().reshape(out // gs, -1, d), opts.bits, opts.init, seed=opts.seed)
-        weight = module.weight if isinstance(module, nn.Linear) else nn.Parameter(w.detach().clone())
+        weight = module.weight if isinstance(module, nn.Linear) and is_dense_linear(module) else nn.Parameter(w.detach().clone())
         layer = DKMLinear(weight, getattr(module, "bias", None), codebook.to(w.dtype), gs, opts, isinstance(module, Conv1D))
         replace_everywhere(model, module, layer)
         wrapped[name] = layer

@@ -148,7 +148,7 @@ def _keys_by_pca(model: nn.Module, arch: Arch) -> str | None:
     attn = get_module(model, arch.submodule_name(0, "attn"))
     if hasattr(attn, "k_norm") or hasattr(attn, "q_norm"):
         return "a per-head norm on queries and keys"
-    if model.config.model_type in INTERLEAVED_ROPE or (getattr(model.config, "partial_rotary_factor", None) or 1.0) != 1.0:
+    if (getattr(model.config, "base_model_type", None) or model.config.model_type) in INTERLEAVED_ROPE or (getattr(model.config, "partial_rotary_factor", None) or 1.0) != 1.0:
         return "RoPE on other pairs than whole heads in halves"
     return None
 

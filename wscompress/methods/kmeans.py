@@ -25,34 +25,21 @@ from typing import Literal
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from pydantic import Field, model_validator
 from torch import nn
 
-from .. import kernels, ui
+from .. import ui
 from ..arch import LINEAR_TYPES, Conv1D, dims_of, discover, distinct, match_modules, replace_everywhere, weight_of
 from ..clustering import Init, assign, cluster
 from ..compensate import Target, fit_pass
 from ..data import first_samples
 from ..errors import UsageError
 from ..linalg import add_gram, add_product, solve_coefficients, symmetrize
-from ..modules import CompressedLinear, register_module
-from ..packing import (
-    BLOCK,
-    HuffmanStream,
-    entropy,
-    huffman_decode,
-    huffman_encode,
-    pack,
-    packed_nbytes,
-    unpack,
-)
+from ..modeling_wscompress import CodebookDtype, PalettizedEmbedding, PalettizedLinear, entropy
 from ..offload import offload_of
 from ..recipe import StageConfig
 from ..stats import SharedGrams
 from . import register
-
-CodebookDtype = Literal["float16", "bfloat16", "float32"]
 
 
 class KMeansConfig(StageConfig):
@@ -97,239 +84,6 @@ class KMeansConfig(StageConfig):
         if (self.granularity == "grouped") != (self.group_size is not None):
             raise ValueError("group_size is required with granularity: grouped and only allowed with it")
         return self
-
-
-# ----------------------------------------------------------------------------- the layer
-
-def dequantize(codebook: torch.Tensor, indices: torch.Tensor, group_size: int) -> torch.Tensor:
-    """Weight (out, cols * d) from codebooks (groups, K, d) and indices (out, cols): row r
-    reads codebook r // group_size (differentiable in the codebook)."""
-    _, k, d = codebook.shape
-    offset = (torch.arange(indices.shape[0], device=indices.device) // group_size * k)[:, None]
-    return codebook.reshape(-1, d)[indices + offset].reshape(indices.shape[0], -1)
-
-
-@register_module
-class PalettizedLinear(CompressedLinear):
-    """A linear layer stored as packed cluster indices + codebook(s).
-
-    Memory holds ``indices`` (``bits`` bits per index, bit-packed uint8) and ``codebook``
-    (groups, K, cluster_dim): output channels ``g*group_size ... (g+1)*group_size - 1`` use
-    codebook g, and index (r, j) picks the centroid for weights W[r, j*d : (j+1)*d]. Weights
-    kept aside (``outliers`` of them) replace their codebook value: ``outlier_index`` holds their
-    flat positions, ``outlier_value`` their values. Codebooks and outliers are stored in
-    ``codebook_dtype`` (computed in the model's dtype). On CPU the look-up-table kernel
-    (``wscompress.kernels``) computes from the indices directly; elsewhere, and while the codebook
-    trains, the dense weight is materialised on each forward. With ``stream_bytes`` set, the file stores the indices Huffman-coded instead
-    (``huffman_*`` buffers) and loading decodes them.
-    """
-
-    def __init__(self, in_features: int, out_features: int, bits: int, group_size: int | None = None,
-                 cluster_dim: int = 1, bias: bool = False, stream_bytes: int | None = None, conv1d: bool = False,
-                 codebook_dtype: CodebookDtype = "float32", outliers: int = 0):
-        super().__init__()
-        self.in_features, self.out_features, self.bits, self.conv1d = in_features, out_features, bits, conv1d
-        self.group_size = group_size or out_features
-        self.cluster_dim, self.stream_bytes = cluster_dim, stream_bytes
-        self.codebook_dtype, self.outliers = codebook_dtype, outliers
-        k, n = 2 ** bits, self.num_indices
-        self.codebook = nn.Parameter(torch.empty(out_features // self.group_size, k, cluster_dim))
-        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        if outliers:
-            self.register_buffer("outlier_index", torch.empty(outliers, dtype=torch.int32))
-            self.register_buffer("outlier_value", torch.empty(outliers))
-        self.register_buffer("indices", torch.empty(packed_nbytes(n, bits), dtype=torch.uint8),
-                             persistent=stream_bytes is None)
-        if stream_bytes is not None:
-            self.register_buffer("huffman_stream", torch.empty(stream_bytes, dtype=torch.uint8))
-            self.register_buffer("huffman_lengths", torch.empty(k, dtype=torch.uint8))
-            self.register_buffer("huffman_blocks", torch.empty(math.ceil(n / BLOCK), dtype=torch.int32))
-
-    @property
-    def num_indices(self) -> int:
-        return self.out_features * self.in_features // self.cluster_dim
-
-    @classmethod
-    def from_clusters(cls, codebook: torch.Tensor, indices: torch.Tensor, bias: torch.Tensor | None,
-                      entropy_coding: bool = False, conv1d: bool = False, codebook_dtype: CodebookDtype = "float32",
-                      outliers: tuple[torch.Tensor, torch.Tensor] | None = None) -> PalettizedLinear:
-        """Build from codebook (groups, K, d), indices (out, in / d) and optionally the
-        weights kept aside as (flat positions, values); values are rounded to ``codebook_dtype``."""
-        groups, k, d = codebook.shape
-        out, cols = indices.shape
-        stream = huffman_encode(indices.cpu().numpy(), k) if entropy_coding else None
-        layer = cls(cols * d, out, int(math.log2(k)), out // groups, d, bias is not None,
-                    None if stream is None else len(stream.data), conv1d, codebook_dtype,
-                    0 if outliers is None else outliers[0].numel())
-        stored = getattr(torch, codebook_dtype)
-        layer.codebook = nn.Parameter(codebook.detach().to(stored).to(codebook.dtype).clone())  # its own storage
-        layer.indices = pack(indices, layer.bits)
-        if outliers is not None:
-            layer.outlier_index = outliers[0].to(torch.int32)
-            layer.outlier_value = outliers[1].detach().to(stored).to(codebook.dtype)
-        if bias is not None:
-            layer.bias = nn.Parameter(bias.detach().clone())
-        if stream is not None:
-            layer.huffman_stream = torch.from_numpy(stream.data).to(codebook.device)
-            layer.huffman_lengths = torch.from_numpy(stream.lengths).to(codebook.device)
-            layer.huffman_blocks = torch.from_numpy(stream.block_bits).to(codebook.device)
-        return layer
-
-    def _save_to_state_dict(self, destination, prefix, keep_vars):
-        super()._save_to_state_dict(destination, prefix, keep_vars)
-        for name in ("codebook", "outlier_value"):  # stored in codebook_dtype, whatever the model computes in
-            if prefix + name in destination:
-                destination[prefix + name] = destination[prefix + name].detach().to(getattr(torch, self.codebook_dtype))
-
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        for name in ("codebook", "outlier_value"):  # back to the dtype the layer computes in
-            if prefix + name in state_dict:
-                state_dict[prefix + name] = state_dict[prefix + name].to(self.codebook.dtype)
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-        if self.stream_bytes is not None and prefix + "huffman_stream" in state_dict:
-            self.indices = pack(torch.from_numpy(huffman_decode(self.huffman())), self.bits).to(self.codebook.device)
-
-    def huffman(self) -> HuffmanStream:
-        return HuffmanStream(self.huffman_stream.cpu().numpy(), self.huffman_lengths.cpu().numpy(),
-                             self.huffman_blocks.cpu().numpy(), self.num_indices)
-
-    def index_matrix(self) -> torch.Tensor:
-        """Cluster indices as an (out, in / cluster_dim) int64 tensor."""
-        return unpack(self.indices, self.bits, self.num_indices).view(self.out_features, -1)
-
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows ``ids`` (any shape) of the dense weight, decoding only those rows (an embedding
-        lookup in a palettized table): (*ids.shape, in_features). A decode step's few ids are
-        decoded as they come, with no data-dependent shapes (so the step can be captured as a
-        CUDA graph); longer inputs decode each distinct row once."""
-        flat = ids.reshape(-1)
-        if flat.numel() <= kernels.DECODE_ROWS:
-            w = self._codebook_rows(flat)
-            if self.outliers:  # every kept-aside weight written to row i where it is in row ids[i], else to a spare column
-                pos = self.outlier_index.long()
-                at = torch.where(pos // self.in_features == flat[:, None], pos % self.in_features, self.in_features)
-                w = F.pad(w, (0, 1)).scatter_(1, at, self.outlier_value.to(w.dtype).expand_as(at))[:, :-1]
-            return w.view(*ids.shape, self.in_features)
-        uniq, where = torch.unique(flat, return_inverse=True)
-        w = self._codebook_rows(uniq)
-        if self.outliers:  # the weights kept aside in these rows
-            pos = self.outlier_index.long()
-            row, col = pos // self.in_features, pos % self.in_features
-            at = torch.searchsorted(uniq, row).clamp_max(len(uniq) - 1)
-            hit = uniq[at] == row
-            w[at[hit], col[hit]] = self.outlier_value[hit].to(w.dtype)
-        return w[where].view(*ids.shape, self.in_features)
-
-    def _codebook_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows ``ids`` (1-D) as the codebook gives them, outliers not applied."""
-        cols = self.in_features // self.cluster_dim
-        packed = self.indices.view(self.out_features, -1)[ids]  # a row's indices fill whole bytes (cols % 8 == 0)
-        idx = unpack(packed.reshape(-1), self.bits, len(ids) * cols).view(len(ids), cols)
-        return self.codebook[ids // self.group_size].gather(1, idx[..., None].expand(-1, -1, self.cluster_dim)).flatten(1)
-
-    def dense_weight(self) -> torch.Tensor:
-        w = dequantize(self.codebook, self.index_matrix(), self.group_size)
-        if not self.outliers:
-            return w
-        return w.flatten().index_put((self.outlier_index.long(),), self.outlier_value.to(w.dtype)).view_as(w)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.lut_forward(x)
-        if y is None:  # the reference path: materialise the weight
-            return F.linear(x, self.dense_weight().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
-        return y if self.bias is None else y + self.bias
-
-    def kernel_layout(self) -> tuple[torch.Tensor, int, kernels.SparseRows | None, torch.Tensor] | None:
-        """(indices as the LUT kernel reads them, their width, the outliers' corrections by row,
-        the tables), prepared once and kept while indices, codebook and outliers stay the same:
-        the stored bytes themselves at 4 and 8 bits, re-packed as nibbles (1-3 bits) or bytes
-        (5-7 bits) otherwise; tables of fewer than 16 entries padded to 16 for nibbles (once, not
-        per call: on a GPU each call's pad was one more kernel launch). None: scalar codebooks only."""
-        if self.cluster_dim != 1 or self.in_features % 2:
-            return None
-        key = [(t.data_ptr(), t._version) for t in (self.indices, self.codebook)]
-        if self.outliers:  # their corrections depend on the codebook (which fine-tuning trains) too
-            key += [(t.data_ptr(), t._version) for t in (self.outlier_index, self.outlier_value)]
-        if getattr(self, "_layout_key", None) != key:
-            idx = self.index_matrix()
-            width = 4 if self.bits <= 4 else 8
-            layout = self.indices if self.bits in (4, 8) else pack(idx, 4) if width == 4 else idx.to(torch.uint8).flatten()
-            sparse = None
-            if self.outliers:  # the exact weights kept aside: their difference to the codebook value
-                pos = self.outlier_index.long()
-                delta = self.outlier_value - self.codebook[pos // self.in_features // self.group_size, idx.flatten()[pos], 0]
-                sparse = kernels.SparseRows.from_positions(pos, delta.detach(), (self.out_features, self.in_features))
-            tables = self.codebook[..., 0]
-            if width == 4 and tables.shape[1] < 16:
-                tables = F.pad(tables, (0, 16 - tables.shape[1]))
-            self._layout, self._layout_key = (layout, width, sparse, tables.detach().contiguous()), key
-        return self._layout
-
-    def lut_forward(self, x: torch.Tensor) -> torch.Tensor | None:
-        """x @ Wᵀ by the look-up-table kernel (wscompress.kernels), never forming W; None where it does not apply."""
-        if torch.is_grad_enabled() and (x.requires_grad or self.codebook.requires_grad):
-            return None  # the codebook trains: autograd needs the torch path (and the layout would go stale each step)
-        layout = self.kernel_layout()
-        if layout is None:
-            return None
-        indices, width, sparse, tables = layout
-        return kernels.palettized_linear(x, indices, width, tables, self.group_size, self.out_features, sparse)
-
-    def trainable_parameters(self) -> list[nn.Parameter]:
-        """Fine-tuning a palettized layer trains its centroids (Deep Compression)."""
-        return [self.codebook]
-
-    def storage_bits(self) -> int:
-        """Bits this layer's indices, codebook and outliers take on disk (what ``save`` writes)."""
-        index_bytes = (self.huffman_stream.numel() + self.huffman_lengths.numel() + 4 * self.huffman_blocks.numel()
-                       if self.stream_bytes is not None else self.indices.numel())
-        value_bytes = getattr(torch, self.codebook_dtype).itemsize
-        return 8 * (index_bytes + (self.codebook.numel() + self.outliers) * value_bytes + 4 * self.outliers)
-
-    def spec(self) -> dict:
-        return {"in_features": self.in_features, "out_features": self.out_features, "bits": self.bits,
-                "group_size": self.group_size, "cluster_dim": self.cluster_dim, "bias": self.bias is not None,
-                "stream_bytes": self.stream_bytes, "conv1d": self.conv1d, "codebook_dtype": self.codebook_dtype,
-                "outliers": self.outliers}
-
-
-@register_module
-class PalettizedEmbedding(nn.Module):
-    """An embedding whose (vocab, hidden) table is a ``PalettizedLinear`` (``table``): a lookup
-    decodes only the rows it reads. With tied embeddings the LM head *is* that table module,
-    so the matrix is stored once and the head's matmul runs the LUT kernel."""
-
-    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None, scale: float = 1.0):
-        super().__init__()
-        self.num_embeddings, self.embedding_dim, self.padding_idx, self.scale = num_embeddings, embedding_dim, padding_idx, scale
-        self.register_module("table", None)  # set by ``around`` or, on loading, by the manifest
-
-    @classmethod
-    def around(cls, table: PalettizedLinear, embedding: nn.Embedding) -> PalettizedEmbedding:
-        new = cls(table.out_features, table.in_features, embedding.padding_idx, float(getattr(embedding, "embed_scale", 1.0)))
-        new.table = table
-        return new
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        out = self.table.rows(ids)
-        return out if self.scale == 1.0 else out * self.scale  # e.g. Gemma's sqrt(H) embedding scale
-
-    @property
-    def weight(self) -> torch.Tensor:
-        """The dense table, for code that reads ``get_input_embeddings().weight`` (dtype, device, values)."""
-        return self.table.dense_weight()
-
-    def spec(self) -> dict:
-        return {"num_embeddings": self.num_embeddings, "embedding_dim": self.embedding_dim,
-                "padding_idx": self.padding_idx, "scale": self.scale}
-
-    def to_dense(self) -> nn.Embedding:
-        w = self.table.dense_weight().detach()
-        emb = nn.Embedding(self.num_embeddings, self.embedding_dim, padding_idx=self.padding_idx, device=w.device,
-                           dtype=w.dtype)
-        with torch.no_grad():
-            emb.weight.copy_(w)
-        return emb
 
 
 # ----------------------------------------------------------------------------- the stage

@@ -42,7 +42,7 @@ from ..errors import UsageError
 from ..linalg import low_rank, ridged, truncation_by_iteration
 from ..model import model_device
 from ..offload import offload_of
-from ..modules import CompressedLinear, register_module
+from ..modeling_wscompress import LowRankDeltaLinear
 from ..recipe import StageConfig
 from ..calibrate import LayerInputs, layerwise, start_at
 from ..compensate import LeastSquares, module_inputs, originals_in
@@ -51,37 +51,6 @@ from ..sharing import (FIT_RIDGE, OUTPUT_ROLES, Weights, aligned_weights, alignm
 from ..stats import Stats
 from . import register
 
-
-
-@register_module
-class LowRankDeltaLinear(CompressedLinear):
-    """y = x (W_c + A B)^T + b: ``base`` (W_c) is an nn.Linear shared by the window's layers;
-    A (out, rank), B (rank, in) and the bias are this layer's own."""
-
-    def __init__(self, in_features: int, out_features: int, rank: int, bias: bool = False, conv1d: bool = False):
-        super().__init__()
-        self.in_features, self.out_features, self.rank, self.conv1d = in_features, out_features, rank, conv1d
-        self.base = nn.Linear(in_features, out_features, bias=False)
-        self.a = nn.Parameter(torch.empty(out_features, rank))
-        self.b = nn.Parameter(torch.empty(rank, in_features))
-        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.base(x) + F.linear(F.linear(x, self.b), self.a, self.bias)
-
-    def dense_weight(self) -> torch.Tensor:
-        return self.base.weight + self.a @ self.b
-
-    def spec(self) -> dict:
-        return {"in_features": self.in_features, "out_features": self.out_features, "rank": self.rank,
-                "bias": self.bias is not None, "conv1d": self.conv1d}
-
-    def trainable_parameters(self) -> list[nn.Parameter]:
-        return [self.a, self.b]  # the shared base stays fixed: only the deltas are trained
-
-    def penalty(self) -> torch.Tensor:
-        """||A B||_F^2, computed as sum((A^T A) * (B B^T)) without forming A B."""
-        return ((self.a.T @ self.a) * (self.b @ self.b.T)).sum()
 
 
 class SoftShareConfig(StageConfig):

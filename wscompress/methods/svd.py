@@ -4,7 +4,7 @@ Each targeted linear W (out, in) becomes coeff(basis(x)) with rank k chosen so t
 holds (1 - ratio) of W's parameters. With ``whitening: true`` (SVD-LLM, Wang et al. 2024)
 the SVD is taken of W·S, S the Cholesky factor of the layer's input Gram matrix XᵀX from
 calibration data, so the truncation minimises the error on real activations instead of on
-the weights. ``LowRankLinear`` (here) is also what Basis Sharing uses for its private layers.
+the weights. ``LowRankLinear`` (``modeling_wscompress``) is also what Basis Sharing uses for its private layers.
 """
 
 from __future__ import annotations
@@ -15,69 +15,18 @@ import torch
 from pydantic import Field, model_validator
 from torch import nn
 
-from .. import kernels
 from ..allocation import Unit, allocate, spectrum
-from ..arch import Arch, Conv1D, dims_of, discover, distinct, get_module, match_modules, replace_everywhere, weight_of
+from ..arch import Arch, dims_of, discover, distinct, get_module, match_modules, replace_everywhere, weight_of
 from ..compensate import Target, refit_pass
 from ..data import first_samples
 from ..linalg import low_rank, rank_for_ratio
-from ..modules import CompressedLinear, register_module
+from ..modeling_wscompress import LowRankLinear
 from ..offload import offload_of
 from ..recipe import StageConfig
 from ..stats import SharedGrams
 from . import register
 
 Allocation = Literal["uniform", "fisher"]
-
-
-@register_module
-class LowRankLinear(CompressedLinear):
-    """y = coeff(basis(x)): a (rank, in) basis then (out, rank) coefficients (+ the original bias)."""
-
-    def __init__(self, in_features: int, out_features: int, rank: int, bias: bool = False, conv1d: bool = False):
-        super().__init__()
-        self.in_features, self.out_features, self.rank = in_features, out_features, rank
-        self.conv1d = conv1d
-        self.basis = nn.Linear(in_features, rank, bias=False)
-        self.coeff = nn.Linear(rank, out_features, bias=bias)
-
-    @property
-    def bias(self) -> torch.Tensor | None:
-        return self.coeff.bias
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        basis, coeff = self.basis, self.coeff
-        if type(basis) is nn.Linear and type(coeff) is nn.Linear:  # not palettized in turn
-            y = kernels.low_rank_linear(x, basis.weight, coeff.weight, coeff.bias)
-            if y is not None:  # decoding on CPU: one fused call (wscompress.kernels)
-                return y
-        return coeff(basis(x))
-
-    def dense_weight(self) -> torch.Tensor:
-        return weight_of(self.coeff) @ weight_of(self.basis)  # either factor may be palettized in turn
-
-    def spec(self) -> dict:
-        return {"in_features": self.in_features, "out_features": self.out_features, "rank": self.rank,
-                "bias": self.bias is not None, "conv1d": self.conv1d}
-
-    @classmethod
-    def replacing(cls, original: nn.Module, coeff: torch.Tensor, basis: nn.Linear | torch.Tensor) -> LowRankLinear:
-        """The low-rank stand-in for ``original`` (its bias, dtype and device kept): coefficients
-        (out, rank) and a basis given as a (rank, in) tensor or as an existing module to share."""
-        w = weight_of(original)
-        bias = getattr(original, "bias", None)
-        rank = coeff.shape[1]
-        new = cls(w.shape[1], w.shape[0], rank, bias=bias is not None, conv1d=bool(Conv1D) and isinstance(original, Conv1D))
-        new.to(device=w.device, dtype=w.dtype)
-        with torch.no_grad():
-            if isinstance(basis, nn.Linear):
-                new.basis = basis
-            else:
-                new.basis.weight.copy_(basis)
-            new.coeff.weight.copy_(coeff)
-            if bias is not None:
-                new.coeff.bias.copy_(bias)
-        return new
 
 
 class LowRankConfig(StageConfig):

@@ -13,6 +13,7 @@ import torch
 from pydantic import Field
 from torch import nn
 
+from ..arch import is_dense_linear
 from ..errors import UsageError
 from ..recipe import StageConfig
 from . import register
@@ -27,7 +28,7 @@ class TieEmbeddingsConfig(StageConfig):
 @torch.no_grad()
 def apply(model, cfg: TieEmbeddingsConfig, ctx) -> dict:
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
-    if not isinstance(emb, nn.Embedding) or not isinstance(head, nn.Linear):
+    if not isinstance(emb, nn.Embedding) or not (isinstance(head, nn.Linear) and is_dense_linear(head)):
         raise UsageError(f"tie_embeddings needs a plain nn.Embedding and nn.Linear head, found {type(emb).__name__} "
                          f"and {type(head).__name__}", "run tie_embeddings before stages that replace the embeddings")
     if head.weight is emb.weight:

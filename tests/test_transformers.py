@@ -1,0 +1,270 @@
+"""Compressed folders outside wscompress: stock transformers loads them (``import wscompress``),
+a Python without wscompress loads them (``trust_remote_code``), and no stock load ever gives
+random weights in their place. Every compressed form is loaded three ways and gives the same
+logits as the model that was saved."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from conftest import REPO, tiny_model
+from safetensors.torch import load_file, save_file
+
+import wscompress
+from wscompress import modeling_wscompress, storage
+
+CALIBRATION = {"dataset": "pydoc", "num_samples": 8, "seq_len": 64, "batch_size": 4}
+# every compressed form: (tiny model, stages)
+FORMS = {
+    "low_rank": ("llama", [{"method": "svd", "ratio": 0.3}]),
+    "shared_bases": ("llama", [{"method": "basis_sharing", "ratio": 0.3}]),
+    "palettized_scalar": ("llama", [{"method": "kmeans", "bits": 4}]),
+    "palettized_vector": ("llama", [{"method": "kmeans", "bits": 4, "cluster_dim": 2, "granularity": "per_tensor"}]),
+    "palettized_grouped": ("llama", [{"method": "kmeans", "bits": 3, "granularity": "grouped", "group_size": 16}]),
+    "palettized_outliers": ("llama", [{"method": "kmeans", "bits": 2, "outliers": 0.02}]),
+    "palettized_huffman": ("llama", [{"method": "kmeans", "bits": 4, "entropy_coding": True}]),
+    "palettized_embeddings": ("llama", [{"method": "kmeans", "bits": 4, "targets": ["lm_head"], "outliers": 0.01}]),  # tied: one table
+    "soft_share_deltas": ("llama", [{"method": "soft_share", "window": 2, "rank": 4, "starts": [1]}]),
+    "cross_layer": ("llama", [{"method": "cross_layer", "what": "ffn", "group_size": 2}]),
+    "merged_layers": ("llama", [{"method": "merge", "n": 2}]),
+    "dropped_layers": ("llama", [{"method": "merge_drop", "n": 2}]),
+    "gqa": ("llama_mha", [{"method": "gqa", "groups": 2}]),
+    "factorized_embeddings": ("llama", [{"method": "factorize_embeddings", "rank": 16}]),
+    "tied_embeddings": ("llama_mha", [{"method": "tie_embeddings"}]),
+    "basis_sharing_then_kmeans": ("llama", [{"method": "basis_sharing", "ratio": 0.3}, {"method": "kmeans", "bits": 4}]),
+    "gpt2_low_rank_palettized": ("gpt2", [{"method": "svd", "ratio": 0.3}, {"method": "kmeans", "bits": 4, "outliers": 0.01}]),
+}
+INPUT = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+
+# Runs in a fresh interpreter where importing wscompress fails, as in a virtual environment
+# that has only torch, transformers and safetensors: each folder loads through the code it carries.
+WITHOUT_WSCOMPRESS = textwrap.dedent("""
+    import importlib.abc, importlib.util, json, sys
+
+    class NotInstalled(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path, target=None):
+            if name.partition(".")[0] == "wscompress":
+                raise ModuleNotFoundError(f"No module named {name!r}")
+
+    sys.meta_path.insert(0, NotInstalled())
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    folders, ids, out = json.loads(sys.argv[1]), load_file(sys.argv[2])["ids"], sys.argv[3]
+    logits = {}
+    for name, folder in folders.items():
+        model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
+        with torch.no_grad():
+            logits[name] = model(ids).logits.contiguous()
+        assert type(model).__module__.startswith("transformers_modules."), type(model).__module__
+    try:
+        importlib.util.find_spec("wscompress")
+        raise SystemExit("wscompress was importable")
+    except ModuleNotFoundError:
+        pass
+    assert not [m for m in sys.modules if m.partition(".")[0] == "wscompress"]
+    save_file(logits, out)
+""")
+
+
+def run_without_wscompress(script: str, *args: str, tmp_path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(HF_MODULES_CACHE=str(tmp_path / "hf_modules"), HF_HUB_OFFLINE="1")
+    return subprocess.run([sys.executable, "-c", script, *args], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          stdin=subprocess.DEVNULL, timeout=600)
+
+
+def logits_of(model) -> torch.Tensor:
+    with torch.no_grad():
+        return model(INPUT).logits
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory, tokenizer):
+    """Every form compressed and saved once: name -> (folder, the saved model's logits)."""
+    root = tmp_path_factory.mktemp("forms")
+    out = {}
+    for name, (kind, stages) in FORMS.items():
+        model = tiny_model(kind)
+        wscompress.compress(model, stages, tokenizer, CALIBRATION)
+        storage.save(model, tokenizer, root / name)
+        out[name] = (root / name, logits_of(model))
+    return out
+
+
+@pytest.fixture(scope="module")
+def remote_logits(folders, tmp_path_factory):
+    """The logits of every folder loaded where wscompress cannot be imported."""
+    tmp = tmp_path_factory.mktemp("remote")
+    save_file({"ids": INPUT}, tmp / "ids.safetensors")
+    done = run_without_wscompress(WITHOUT_WSCOMPRESS, json.dumps({n: str(f) for n, (f, _) in folders.items()}),
+                                  str(tmp / "ids.safetensors"), str(tmp / "logits.safetensors"), tmp_path=tmp)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return load_file(tmp / "logits.safetensors")
+
+
+@pytest.mark.parametrize("form", sorted(FORMS))
+def test_three_loads_give_the_saved_logits(form, folders, remote_logits):
+    from transformers import AutoModelForCausalLM
+
+    folder, saved = folders[form]
+    ours, _ = wscompress.load(folder, device="cpu")
+    stock = AutoModelForCausalLM.from_pretrained(folder)
+    assert type(stock).__mro__[1] is modeling_wscompress.WSCompressForCausalLM
+    assert any(type(m).__name__ in modeling_wscompress.LAYERS for m in stock.modules()) or form in (
+        "cross_layer", "merged_layers", "dropped_layers", "gqa", "tied_embeddings")  # structural: no compressed layer type
+    for got in (logits_of(ours), logits_of(stock), remote_logits[form]):
+        torch.testing.assert_close(got, saved, rtol=1e-5, atol=1e-5)
+    # compressed layers stay compressed: the same tensors, shared modules shared, nothing dense built
+    assert storage.stats(stock) == storage.stats(ours)
+    assert modeling_wscompress.module_aliases(stock) == modeling_wscompress.module_aliases(ours)
+
+
+def test_folder_holds_the_compressed_weights_and_its_code(folders):
+    folder, _ = folders["basis_sharing_then_kmeans"]
+    config = json.loads((folder / "config.json").read_text())
+    assert config["model_type"] == "wscompress" and config["auto_map"]["AutoModelForCausalLM"].startswith("modeling_wscompress.")
+    assert config["base_config"]["model_type"] == "llama"
+    assert (folder / "modeling_wscompress.py").read_bytes() == (REPO / "wscompress" / "modeling_wscompress.py").read_bytes()
+    keys = load_file(folder / storage.WEIGHTS).keys()
+    assert not any(k.endswith("q_proj.weight") for k in keys)  # no dense projection in the file
+    assert sum(k.endswith("q_proj.basis.codebook") for k in keys) == 2  # 4 layers in groups of 2: each basis once
+
+
+def test_the_travelling_code_imports_nothing_of_wscompress():
+    """transformers checks a remote module's imports before running it: only torch, transformers, numpy."""
+    from transformers.dynamic_module_utils import get_imports
+
+    packages = set(get_imports(REPO / "wscompress" / "modeling_wscompress.py")) - set(sys.stdlib_module_names)
+    assert packages == {"torch", "transformers", "numpy"}
+
+
+def test_kernels_are_in_use_after_import(folders):
+    from transformers import AutoModelForCausalLM
+
+    from wscompress import kernels
+
+    assert modeling_wscompress.KERNELS["palettized"] is kernels.palettized_linear
+    stock = AutoModelForCausalLM.from_pretrained(folders["palettized_scalar"][0])
+    layer = stock.model.layers[0].mlp.down_proj
+    if kernels.lut() is None:
+        pytest.skip(f"no compiled LUT kernel here: {kernels.status()}")
+    with torch.no_grad():
+        assert layer.lut_forward(torch.randn(1, layer.in_features)) is not None
+
+
+def test_dtype_device_map_generate_and_pipeline(folders, tokenizer):
+    from transformers import AutoModelForCausalLM, pipeline
+
+    folder, _ = folders["basis_sharing_then_kmeans"]
+    half, _ = wscompress.load(folder, dtype=torch.bfloat16, device="cpu")
+    stock = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+    assert stock.model.layers[0].mlp.down_proj.coeff.codebook.dtype == torch.bfloat16
+    assert stock.model.layers[0].mlp.down_proj.coeff.indices.dtype == torch.uint8
+    torch.testing.assert_close(logits_of(stock), logits_of(half))
+
+    placed = AutoModelForCausalLM.from_pretrained(folder, device_map="auto")
+    torch.testing.assert_close(logits_of(placed), folders["basis_sharing_then_kmeans"][1], rtol=1e-5, atol=1e-5)
+
+    ours, _ = wscompress.load(folder, device="cpu")
+    prompt = INPUT[:1, :5]
+    want = ours.generate(prompt, max_new_tokens=8, do_sample=False)
+    assert torch.equal(placed.generate(prompt, max_new_tokens=8, do_sample=False), want)
+    generator = pipeline("text-generation", model=str(folder))
+    text = generator("def f(x):", max_new_tokens=8, do_sample=False)[0]["generated_text"]
+    ids = tokenizer("def f(x):", return_tensors="pt").input_ids
+    assert text == tokenizer.decode(ours.generate(ids, max_new_tokens=8, do_sample=False)[0], skip_special_tokens=True)
+
+
+def test_save_pretrained_round_trip_keeps_the_compression(folders, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    for form in ("basis_sharing_then_kmeans", "palettized_huffman", "cross_layer", "factorized_embeddings"):
+        folder, saved = folders[form]
+        stock = AutoModelForCausalLM.from_pretrained(folder)
+        stock.save_pretrained(tmp_path / form)
+        again = AutoModelForCausalLM.from_pretrained(tmp_path / form)
+        torch.testing.assert_close(logits_of(again), saved, rtol=1e-5, atol=1e-5)
+        assert (tmp_path / form / "modeling_wscompress.py").is_file()
+        assert storage.file_size(tmp_path / form) <= 1.05 * storage.file_size(folder)  # still the compressed size
+        reread, _ = wscompress.load(tmp_path / form, device="cpu")
+        torch.testing.assert_close(logits_of(reread), saved, rtol=1e-5, atol=1e-5)
+
+
+def test_a_model_compressed_in_memory_saves_as_a_compressed_folder(tmp_path, tokenizer):
+    """``wscompress.compress`` makes the model a compressed-model class: transformers' own
+    ``save_pretrained`` then writes a folder that loads back (not a base config over compressed weights)."""
+    from transformers import AutoModelForCausalLM
+
+    model = tiny_model("llama")
+    wscompress.compress(model, [{"method": "svd", "ratio": 0.3}, {"method": "kmeans", "bits": 4}], tokenizer, CALIBRATION)
+    assert isinstance(model, modeling_wscompress.WSCompressForCausalLM) and model.config.model_type == "wscompress"
+    model.save_pretrained(tmp_path / "m")
+    torch.testing.assert_close(logits_of(AutoModelForCausalLM.from_pretrained(tmp_path / "m")), logits_of(model))
+
+
+def test_peft_lora_on_compressed_layers(folders, tmp_path):
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    folder, saved = folders["basis_sharing_then_kmeans"]
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(folder),
+                           LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.0))
+    torch.testing.assert_close(logits_of(model), saved, rtol=1e-5, atol=1e-5)  # LoRA starts at zero
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)  # codebooks and bases stay frozen
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    for _ in range(3):
+        loss = model(INPUT, labels=INPUT).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    tuned = logits_of(model)
+    assert not torch.allclose(tuned, saved)
+    model.save_pretrained(tmp_path / "adapter")
+    reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(folder), tmp_path / "adapter")
+    torch.testing.assert_close(logits_of(reloaded), tuned, rtol=1e-5, atol=1e-5)
+
+
+def test_stock_loads_never_give_random_weights(folders, tmp_path):
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    folder, _ = folders["low_rank"]
+    # a stock class named directly: it fails on the config at once, naming the fix
+    with pytest.raises(AttributeError, match="import wscompress"):
+        LlamaForCausalLM.from_pretrained(folder)
+    # a Python without wscompress and without trust_remote_code: transformers refuses the unknown type
+    script = WITHOUT_WSCOMPRESS.split("import torch")[0] + textwrap.dedent("""
+        from transformers import AutoModelForCausalLM
+        try:
+            AutoModelForCausalLM.from_pretrained(sys.argv[1])
+        except ValueError as err:
+            print("refused:", err)
+        else:
+            raise SystemExit("loaded")
+    """)
+    done = run_without_wscompress(script, str(folder), tmp_path=tmp_path)
+    assert done.returncode == 0 and "trust_remote_code=True" in done.stdout, done.stdout + done.stderr[-2000:]
+    # weight files that do not match config.json: an error, not random weights
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in folder.iterdir():
+        (broken / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(broken / storage.WEIGHTS)
+    del tensors[next(k for k in tensors if k.endswith("coeff.weight"))]
+    save_file(tensors, broken / storage.WEIGHTS, {"format": "pt"})
+    with pytest.raises(ValueError, match="incomplete or corrupt"):
+        AutoModelForCausalLM.from_pretrained(broken)
+    # a layer type this code does not know (a newer wscompress wrote it): an error naming the fix
+    config = json.loads((broken / "config.json").read_text())
+    next(iter(config["compression"]["modules"].values()))["type"] = "FutureLinear"
+    (broken / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="newer wscompress"):
+        AutoModelForCausalLM.from_pretrained(broken)

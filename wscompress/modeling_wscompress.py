@@ -1,0 +1,960 @@
+"""The compressed layers of wscompress, their storage format, and the transformers classes that load them.
+
+This module imports torch, transformers and numpy (which transformers needs) and nothing of
+wscompress, on purpose: wscompress uses it, and copies it into every model folder it writes (as
+``modeling_wscompress.py``, named in ``config.json``'s ``auto_map``), so the folder loads with
+``AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)`` where wscompress is
+not installed. There every layer runs its torch reference path; wscompress fills ``KERNELS``
+with its compiled and Triton kernels when it is imported.
+
+A compressed folder is a HF checkpoint whose ``config.json`` has ``model_type: wscompress``:
+the base model's own config (``base_config``) and how its layers are stored (``compression``:
+the compressed layers by name with their constructor arguments, the modules reached under
+several names and the tensors stored once for several names). Stock transformers without this
+code refuses the folder (an unknown model type), so it never loads random weights in place of
+the compressed ones.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import math
+import os
+import shutil
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Literal, NamedTuple
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PretrainedConfig, PreTrainedModel
+from transformers.pytorch_utils import Conv1D
+
+FORMAT_VERSION = 2
+CODE_FILE = "modeling_wscompress.py"
+# config.json's "dtype", where a stock config class reads it (top level and base_config): any of
+# them fails at once on it with this text (``getattr(torch, dtype)``), instead of building a
+# model of the base class whose compressed weights it would fill with random ones. The real
+# dtype is "torch_dtype", which a config only reads when "dtype" is absent.
+STOCK_CLASS_GUARD = ("a wscompress-compressed model: load it with transformers.AutoModelForCausalLM after "
+                     "`import wscompress`, or with trust_remote_code=True")
+AUTO_MAP = {"AutoConfig": "modeling_wscompress.WSCompressConfig",
+            "AutoModelForCausalLM": "modeling_wscompress.WSCompressForCausalLM"}
+
+# Fast paths, filled by wscompress.kernels when wscompress is imported: "palettized" (look-up-table
+# product) and "low_rank" (fused decode). Each returns None where it does not apply, and the layer
+# then runs its torch reference path, as it always does where nothing is registered.
+KERNELS: dict[str, Callable[..., torch.Tensor | None]] = {}
+DECODE_ROWS = 8  # inputs with at most this many rows (decoding) go to the kernels; longer ones the BLAS
+
+# ----------------------------------------------------------------------------- index storage
+
+BLOCK = 1024  # symbols per independently decodable Huffman block
+MAX_CODE_LENGTH = 57  # a window of 57 bits + a 7-bit offset fits one uint64 read
+ABSENT = 255  # code length stored for symbols that do not occur
+
+
+def packed_nbytes(n: int, bits: int) -> int:
+    """Bytes that ``pack`` writes for n values (8 values per ``bits`` bytes)."""
+    return n if bits == 8 else math.ceil(n / 8) * bits
+
+
+def pack(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack integers in [0, 2^bits) (any shape) into a flat uint8 tensor, LSB first."""
+    if not 1 <= bits <= 8:
+        raise ValueError(f"bits must be in 1..8, got {bits}")
+    flat = values.reshape(-1).to(torch.int64)
+    if bits == 8:
+        return flat.to(torch.uint8)
+    groups = F.pad(flat, (0, (-flat.numel()) % 8)).view(-1, 8)
+    # 8 values of <= 7 bits occupy disjoint bit ranges of one int64 (<= 56 bits): sum == or
+    word = (groups << (torch.arange(8, device=flat.device) * bits)).sum(1)
+    out = (word[:, None] >> (torch.arange(bits, device=flat.device) * 8)) & 0xFF
+    return out.to(torch.uint8).reshape(-1)
+
+
+def unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """Inverse of ``pack``: the first n values as int64."""
+    if bits == 8:
+        return packed[:n].to(torch.int64)
+    dev = packed.device
+    word = (packed.view(-1, bits).to(torch.int64) << (torch.arange(bits, device=dev) * 8)).sum(1)
+    values = (word[:, None] >> (torch.arange(8, device=dev) * bits)) & ((1 << bits) - 1)
+    return values.reshape(-1)[:n]
+
+
+def entropy(counts: np.ndarray) -> float:
+    """Shannon entropy (bits/symbol) of a histogram."""
+    p = np.asarray(counts, dtype=np.float64)
+    p = p[p > 0] / p.sum()
+    return float(-(p * np.log2(p)).sum())
+
+
+def huffman_lengths(counts: np.ndarray) -> np.ndarray:
+    """Optimal prefix-code length of each symbol: ABSENT for symbols that do not occur, 0 for
+    the only symbol of a one-symbol stream (it needs no bits at all)."""
+    lengths = np.where(np.asarray(counts) > 0, 0, ABSENT).astype(np.int64)
+    heap = [(int(c), s, [s]) for s, c in enumerate(counts) if c > 0]
+    heapq.heapify(heap)
+    while len(heap) > 1:
+        c1, t1, s1 = heapq.heappop(heap)
+        c2, t2, s2 = heapq.heappop(heap)
+        lengths[s1 + s2] += 1  # every symbol below the merged node gets one bit deeper
+        heapq.heappush(heap, (c1 + c2, min(t1, t2), s1 + s2))
+    if lengths[lengths != ABSENT].max(initial=0) > MAX_CODE_LENGTH:  # needs > 2^38 symbols (Fibonacci counts)
+        raise ValueError(f"Huffman code longer than {MAX_CODE_LENGTH} bits")
+    return lengths
+
+
+def canonical_codes(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(code per symbol, symbols in canonical order) of the canonical code with these lengths."""
+    order = np.lexsort((np.arange(len(lengths)), lengths))
+    order = order[lengths[order] != ABSENT]
+    codes = np.zeros(len(lengths), dtype=np.uint64)
+    code, prev = 0, int(lengths[order[0]]) if len(order) else 0
+    for i, s in enumerate(order):
+        length = int(lengths[s])
+        if i:
+            code = (code + 1) << (length - prev)
+        codes[s], prev = code, length
+    return codes, order
+
+
+@dataclass
+class HuffmanStream:
+    data: np.ndarray  # uint8 bit stream, MSB first
+    lengths: np.ndarray  # uint8 code length per symbol (ABSENT: does not occur)
+    block_bits: np.ndarray  # int32 bits of each block of BLOCK symbols
+    n: int  # symbols
+
+    @property
+    def bits(self) -> int:
+        return int(self.block_bits.astype(np.int64).sum())
+
+
+def huffman_encode(symbols: np.ndarray, num_symbols: int) -> HuffmanStream:
+    """Canonical Huffman code of a stream of integers in [0, num_symbols)."""
+    symbols = np.asarray(symbols).reshape(-1).astype(np.int64)
+    counts = np.bincount(symbols, minlength=num_symbols)
+    lengths = huffman_lengths(counts)
+    if symbols.size == 0:
+        return HuffmanStream(np.zeros(0, np.uint8), lengths.astype(np.uint8), np.zeros(0, np.int32), 0)
+    codes, _ = canonical_codes(lengths)
+    present = np.where(lengths == ABSENT, 0, lengths)
+    top = int(present.max())
+    # bit j of each symbol's code (MSB first) and which of its `top` slots are real bits
+    j = np.arange(top)
+    table = ((codes[:, None] >> np.clip(present[:, None] - 1 - j, 0, None).astype(np.uint64)) & np.uint64(1)).astype(np.uint8)
+    valid = j < present[:, None]
+    chunks = [table[s][valid[s]] for s in np.array_split(symbols, max(1, symbols.size >> 20))]
+    block_bits = np.add.reduceat(lengths[symbols], np.arange(0, symbols.size, BLOCK)).astype(np.int32)
+    return HuffmanStream(np.packbits(np.concatenate(chunks)), lengths.astype(np.uint8), block_bits, symbols.size)
+
+
+def huffman_decode(stream: HuffmanStream) -> np.ndarray:
+    """Inverse of ``huffman_encode``: the symbols as int64. The stream is cut into blocks of
+    BLOCK symbols whose bit lengths are stored, so all blocks decode at once (vectorised numpy)."""
+    if stream.n == 0:
+        return np.zeros(0, dtype=np.int64)
+    lengths = stream.lengths.astype(np.int64)
+    codes, order = canonical_codes(lengths)
+    top = int(lengths[order].max(initial=0))
+    # every code left-aligned to `top` bits: canonical codes sort, so the code that starts a
+    # window is the last one whose aligned value is <= the window (one searchsorted per step)
+    aligned = codes[order] << (top - lengths[order]).astype(np.uint64)
+    data = np.concatenate([stream.data, np.zeros(8, np.uint8)]).astype(np.uint64)
+    words = np.zeros(len(data) - 7, dtype=np.uint64)  # big-endian uint64 starting at each byte
+    for k in range(8):
+        words |= data[k: k + len(words)] << np.uint64(56 - 8 * k)
+    starts = np.concatenate([[0], np.cumsum(stream.block_bits.astype(np.int64))[:-1]])
+    pos = starts.copy()
+    out = np.empty((len(starts), BLOCK), dtype=np.int64)
+    last = len(words) - 1
+    for step in range(BLOCK):
+        word = words[np.minimum(pos >> 3, last)]
+        window = (word << (pos & 7).astype(np.uint64)) >> np.uint64(64 - top) if top else np.zeros_like(word)
+        i = np.searchsorted(aligned, window, side="right") - 1
+        out[:, step] = order[i]
+        pos += lengths[order[i]]
+    return out.reshape(-1)[: stream.n]
+
+
+class SparseRows(NamedTuple):
+    """A palettized layer's weights kept aside from its codebook (outliers), as corrections by
+    weight row (CSR): row r's are at columns ``col[row_ptr[r]:row_ptr[r + 1]]``, each adding
+    ``delta`` (the exact weight minus its codebook value). By rows, the CPU kernel adds a row's
+    few while its sums are in registers."""
+    row_ptr: torch.Tensor  # (out + 1,) int64
+    col: torch.Tensor  # int32
+    delta: torch.Tensor  # float32
+
+    @classmethod
+    def from_positions(cls, pos: torch.Tensor, delta: torch.Tensor, shape: tuple[int, int]) -> SparseRows:
+        """From flat positions in a (out, in) weight, in any order, and their corrections."""
+        order = pos.argsort()
+        pos = pos[order]
+        counts = torch.bincount(pos // shape[1], minlength=shape[0])
+        row_ptr = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+        return cls(row_ptr, (pos % shape[1]).to(torch.int32), delta[order].float().contiguous())
+
+
+# ----------------------------------------------------------------------------- the layers
+
+LAYERS: dict[str, type[nn.Module]] = {}  # class name -> class: what config.json's ``compression`` names
+
+
+def register_layer(cls: type[nn.Module]) -> type[nn.Module]:
+    LAYERS[cls.__name__] = cls
+    return cls
+
+
+class CompressedLayer:
+    """What every compressed layer is: its values always come from a checkpoint (transformers never
+    initialises it), it describes itself (``spec``: the constructor arguments that rebuild its
+    structure) and it turns back into a dense module (``to_dense``, for export to stock transformers)."""
+
+    _is_hf_initialized = True  # transformers' init skips modules that say so: every value is loaded
+
+    def spec(self) -> dict:
+        """Constructor keyword arguments that rebuild this module's structure (not its values)."""
+        raise NotImplementedError
+
+    def to_dense(self) -> nn.Module:
+        raise NotImplementedError
+
+
+class DenseCopy(torch.Tensor):
+    """What a compressed linear's ``weight`` is: its dense weight, built on request, for code that
+    asks any linear for its weight's shape, dtype, device or values (peft does). It refuses to be
+    written to: a write would change this copy, not the layer (peft's LoRA merge writes there)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name.endswith("_") and not name.endswith("__") or name in ("__setitem__", "__iadd__", "__isub__", "__imul__"):
+            raise RuntimeError(f"{name}: the weight of a compressed layer is a read-only copy (the layer stores it "
+                               "compressed). To merge a LoRA adapter, keep it separate or export the model dense "
+                               "first (wscompress export DIR OUT); to change the layer, change its own tensors")
+        with torch._C.DisableTorchFunctionSubclass():  # what it computes is a plain tensor
+            return func(*args, **(kwargs or {}))
+
+    @property
+    def data(self) -> torch.Tensor:
+        return self
+
+    @data.setter
+    def data(self, value) -> None:
+        self.add_(0)  # refused, with the reason
+
+
+def weight_of(module: nn.Module) -> torch.Tensor:
+    """The (out, in) weight of a dense or compressed linear."""
+    if isinstance(module, CompressedLinear):
+        return module.dense_weight()
+    return module.weight.t() if isinstance(module, Conv1D) else module.weight
+
+
+class CompressedLinear(CompressedLayer, nn.Linear):
+    """y = x W^T + b with W stored in another form. An ``nn.Linear`` to the ecosystem (peft wraps it
+    with LoRA, device maps place it), but it has no dense ``weight``: ``dense_weight()`` builds one.
+
+    ``conv1d`` records that the layer replaced a GPT-2 ``Conv1D`` (weight stored (in, out)), so
+    ``to_dense`` gives one back: stock GPT-2 checkpoints expect that layout."""
+
+    in_features: int
+    out_features: int
+    conv1d: bool = False
+
+    def __init__(self) -> None:
+        nn.Module.__init__(self)  # not nn.Linear's: it would allocate the dense weight this layer replaces
+
+    def dense_weight(self) -> torch.Tensor:
+        """The weight as an (out_features, in_features) tensor."""
+        raise NotImplementedError
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dense weight as a read-only copy (``DenseCopy``), built on each access."""
+        return self.dense_weight().detach().as_subclass(DenseCopy)
+
+    def to_dense(self) -> nn.Module:
+        """An nn.Linear (or Conv1D, see ``conv1d``) computing the same function."""
+        w = self.dense_weight().detach()
+        bias = getattr(self, "bias", None)
+        if self.conv1d:
+            dense = Conv1D(self.out_features, self.in_features).to(w.device, w.dtype)
+            w = w.T
+        else:
+            dense = nn.Linear(self.in_features, self.out_features, bias=bias is not None, device=w.device, dtype=w.dtype)
+        with torch.no_grad():
+            dense.weight.copy_(w)
+            if bias is not None:
+                dense.bias.copy_(bias)
+            elif self.conv1d:
+                dense.bias.zero_()
+        return dense
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={v}" for k, v in self.spec().items())
+
+
+@register_layer
+class LowRankLinear(CompressedLinear):
+    """y = coeff(basis(x)): a (rank, in) basis then (out, rank) coefficients (+ the original bias)."""
+
+    def __init__(self, in_features: int, out_features: int, rank: int, bias: bool = False, conv1d: bool = False):
+        super().__init__()
+        self.in_features, self.out_features, self.rank = in_features, out_features, rank
+        self.conv1d = conv1d
+        self.basis = nn.Linear(in_features, rank, bias=False)
+        self.coeff = nn.Linear(rank, out_features, bias=bias)
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.coeff.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        basis, coeff = self.basis, self.coeff
+        fast = KERNELS.get("low_rank")
+        if fast is not None and type(basis) is nn.Linear and type(coeff) is nn.Linear:  # not palettized in turn
+            y = fast(x, basis.weight, coeff.weight, coeff.bias)
+            if y is not None:  # decoding on CPU: one fused call
+                return y
+        return coeff(basis(x))
+
+    def dense_weight(self) -> torch.Tensor:
+        return weight_of(self.coeff) @ weight_of(self.basis)  # either factor may be palettized in turn
+
+    def spec(self) -> dict:
+        return {"in_features": self.in_features, "out_features": self.out_features, "rank": self.rank,
+                "bias": self.bias is not None, "conv1d": self.conv1d}
+
+    @classmethod
+    def replacing(cls, original: nn.Module, coeff: torch.Tensor, basis: nn.Linear | torch.Tensor) -> LowRankLinear:
+        """The low-rank stand-in for ``original`` (its bias, dtype and device kept): coefficients
+        (out, rank) and a basis given as a (rank, in) tensor or as an existing module to share."""
+        w = weight_of(original)
+        bias = getattr(original, "bias", None)
+        new = cls(w.shape[1], w.shape[0], coeff.shape[1], bias=bias is not None, conv1d=isinstance(original, Conv1D))
+        new.to(device=w.device, dtype=w.dtype)
+        with torch.no_grad():
+            if isinstance(basis, nn.Linear):
+                new.basis = basis
+            else:
+                new.basis.weight.copy_(basis)
+            new.coeff.weight.copy_(coeff)
+            if bias is not None:
+                new.coeff.bias.copy_(bias)
+        return new
+
+
+@register_layer
+class SharedBasisLinear(LowRankLinear):
+    """coeff(basis(x)) whose ``basis`` module is shared with the other layers of its group;
+    saving stores it once and loading re-ties it."""
+
+
+@register_layer
+class LowRankDeltaLinear(CompressedLinear):
+    """y = x (W_c + A B)^T + b: ``base`` (W_c) is an nn.Linear shared by a window of layers;
+    A (out, rank), B (rank, in) and the bias are this layer's own."""
+
+    def __init__(self, in_features: int, out_features: int, rank: int, bias: bool = False, conv1d: bool = False):
+        super().__init__()
+        self.in_features, self.out_features, self.rank, self.conv1d = in_features, out_features, rank, conv1d
+        self.base = nn.Linear(in_features, out_features, bias=False)
+        self.a = nn.Parameter(torch.empty(out_features, rank))
+        self.b = nn.Parameter(torch.empty(rank, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + F.linear(F.linear(x, self.b), self.a, self.bias)
+
+    def dense_weight(self) -> torch.Tensor:
+        return self.base.weight + self.a @ self.b
+
+    def spec(self) -> dict:
+        return {"in_features": self.in_features, "out_features": self.out_features, "rank": self.rank,
+                "bias": self.bias is not None, "conv1d": self.conv1d}
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [self.a, self.b]  # the shared base stays fixed: only the deltas are trained
+
+    def penalty(self) -> torch.Tensor:
+        """||A B||_F^2, computed as sum((A^T A) * (B B^T)) without forming A B."""
+        return ((self.a.T @ self.a) * (self.b @ self.b.T)).sum()
+
+
+CodebookDtype = Literal["float16", "bfloat16", "float32"]
+
+
+def dequantize(codebook: torch.Tensor, indices: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Weight (out, cols * d) from codebooks (groups, K, d) and indices (out, cols): row r
+    reads codebook r // group_size (differentiable in the codebook)."""
+    _, k, d = codebook.shape
+    offset = (torch.arange(indices.shape[0], device=indices.device) // group_size * k)[:, None]
+    return codebook.reshape(-1, d)[indices + offset].reshape(indices.shape[0], -1)
+
+
+@register_layer
+class PalettizedLinear(CompressedLinear):
+    """A linear layer stored as packed cluster indices + codebook(s).
+
+    Memory holds ``indices`` (``bits`` bits per index, bit-packed uint8) and ``codebook``
+    (groups, K, cluster_dim): output channels ``g*group_size ... (g+1)*group_size - 1`` use
+    codebook g, and index (r, j) picks the centroid for weights W[r, j*d : (j+1)*d]. Weights
+    kept aside (``outliers`` of them) replace their codebook value: ``outlier_index`` holds their
+    flat positions, ``outlier_value`` their values. Codebooks and outliers are stored in
+    ``codebook_dtype`` (computed in the model's dtype). Where a look-up-table kernel is
+    registered (``KERNELS``) it computes from the indices directly; elsewhere, and while the
+    codebook trains, the dense weight is materialised on each forward. With ``stream_bytes`` set,
+    the file stores the indices Huffman-coded instead (``huffman_*`` buffers) and loading decodes them.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bits: int, group_size: int | None = None,
+                 cluster_dim: int = 1, bias: bool = False, stream_bytes: int | None = None, conv1d: bool = False,
+                 codebook_dtype: CodebookDtype = "float32", outliers: int = 0):
+        super().__init__()
+        self.in_features, self.out_features, self.bits, self.conv1d = in_features, out_features, bits, conv1d
+        self.group_size = group_size or out_features
+        self.cluster_dim, self.stream_bytes = cluster_dim, stream_bytes
+        self.codebook_dtype, self.outliers = codebook_dtype, outliers
+        k, n = 2 ** bits, self.num_indices
+        self.codebook = nn.Parameter(torch.empty(out_features // self.group_size, k, cluster_dim))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        if outliers:
+            self.register_buffer("outlier_index", torch.empty(outliers, dtype=torch.int32))
+            self.register_buffer("outlier_value", torch.empty(outliers))
+        self.register_buffer("indices", torch.empty(packed_nbytes(n, bits), dtype=torch.uint8),
+                             persistent=stream_bytes is None)
+        if stream_bytes is not None:
+            self.register_buffer("huffman_stream", torch.empty(stream_bytes, dtype=torch.uint8))
+            self.register_buffer("huffman_lengths", torch.empty(k, dtype=torch.uint8))
+            self.register_buffer("huffman_blocks", torch.empty(math.ceil(n / BLOCK), dtype=torch.int32))
+
+    @property
+    def num_indices(self) -> int:
+        return self.out_features * self.in_features // self.cluster_dim
+
+    @classmethod
+    def from_clusters(cls, codebook: torch.Tensor, indices: torch.Tensor, bias: torch.Tensor | None,
+                      entropy_coding: bool = False, conv1d: bool = False, codebook_dtype: CodebookDtype = "float32",
+                      outliers: tuple[torch.Tensor, torch.Tensor] | None = None) -> PalettizedLinear:
+        """Build from codebook (groups, K, d), indices (out, in / d) and optionally the
+        weights kept aside as (flat positions, values); values are rounded to ``codebook_dtype``."""
+        groups, k, d = codebook.shape
+        out, cols = indices.shape
+        stream = huffman_encode(indices.cpu().numpy(), k) if entropy_coding else None
+        layer = cls(cols * d, out, int(math.log2(k)), out // groups, d, bias is not None,
+                    None if stream is None else len(stream.data), conv1d, codebook_dtype,
+                    0 if outliers is None else outliers[0].numel())
+        stored = getattr(torch, codebook_dtype)
+        layer.codebook = nn.Parameter(codebook.detach().to(stored).to(codebook.dtype).clone())  # its own storage
+        layer.indices = pack(indices, layer.bits)
+        if outliers is not None:
+            layer.outlier_index = outliers[0].to(torch.int32)
+            layer.outlier_value = outliers[1].detach().to(stored).to(codebook.dtype)
+        if bias is not None:
+            layer.bias = nn.Parameter(bias.detach().clone())
+        if stream is not None:
+            layer.huffman_stream = torch.from_numpy(stream.data).to(codebook.device)
+            layer.huffman_lengths = torch.from_numpy(stream.lengths).to(codebook.device)
+            layer.huffman_blocks = torch.from_numpy(stream.block_bits).to(codebook.device)
+        return layer
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        for name in ("codebook", "outlier_value"):  # stored in codebook_dtype, whatever the model computes in
+            if prefix + name in destination:
+                destination[prefix + name] = destination[prefix + name].detach().to(getattr(torch, self.codebook_dtype))
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        for name in ("codebook", "outlier_value"):  # back to the dtype the layer computes in
+            if prefix + name in state_dict:
+                state_dict[prefix + name] = state_dict[prefix + name].to(self.codebook.dtype)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        if prefix + "huffman_stream" in state_dict:
+            self.decode_stream()
+
+    def decode_stream(self) -> None:
+        """Fill ``indices`` from the Huffman-coded stream the file holds (a no-op without one)."""
+        if self.stream_bytes is not None and not self.huffman_stream.is_meta:
+            self.indices = pack(torch.from_numpy(huffman_decode(self.huffman())), self.bits).to(self.codebook.device)
+
+    def huffman(self) -> HuffmanStream:
+        return HuffmanStream(self.huffman_stream.cpu().numpy(), self.huffman_lengths.cpu().numpy(),
+                             self.huffman_blocks.cpu().numpy(), self.num_indices)
+
+    def index_matrix(self) -> torch.Tensor:
+        """Cluster indices as an (out, in / cluster_dim) int64 tensor."""
+        return unpack(self.indices, self.bits, self.num_indices).view(self.out_features, -1)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` (any shape) of the dense weight, decoding only those rows (an embedding
+        lookup in a palettized table): (*ids.shape, in_features). A decode step's few ids are
+        decoded as they come, with no data-dependent shapes (so the step can be captured as a
+        CUDA graph); longer inputs decode each distinct row once."""
+        flat = ids.reshape(-1)
+        if flat.numel() <= DECODE_ROWS:
+            w = self._codebook_rows(flat)
+            if self.outliers:  # every kept-aside weight written to row i where it is in row ids[i], else to a spare column
+                pos = self.outlier_index.long()
+                at = torch.where(pos // self.in_features == flat[:, None], pos % self.in_features, self.in_features)
+                w = F.pad(w, (0, 1)).scatter_(1, at, self.outlier_value.to(w.dtype).expand_as(at))[:, :-1]
+            return w.view(*ids.shape, self.in_features)
+        uniq, where = torch.unique(flat, return_inverse=True)
+        w = self._codebook_rows(uniq)
+        if self.outliers:  # the weights kept aside in these rows
+            pos = self.outlier_index.long()
+            row, col = pos // self.in_features, pos % self.in_features
+            at = torch.searchsorted(uniq, row).clamp_max(len(uniq) - 1)
+            hit = uniq[at] == row
+            w[at[hit], col[hit]] = self.outlier_value[hit].to(w.dtype)
+        return w[where].view(*ids.shape, self.in_features)
+
+    def _codebook_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` (1-D) as the codebook gives them, outliers not applied."""
+        cols = self.in_features // self.cluster_dim
+        packed = self.indices.view(self.out_features, -1)[ids]  # a row's indices fill whole bytes (cols % 8 == 0)
+        idx = unpack(packed.reshape(-1), self.bits, len(ids) * cols).view(len(ids), cols)
+        return self.codebook[ids // self.group_size].gather(1, idx[..., None].expand(-1, -1, self.cluster_dim)).flatten(1)
+
+    def dense_weight(self) -> torch.Tensor:
+        w = dequantize(self.codebook, self.index_matrix(), self.group_size)
+        if not self.outliers:
+            return w
+        return w.flatten().index_put((self.outlier_index.long(),), self.outlier_value.to(w.dtype)).view_as(w)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lut_forward(x)
+        if y is None:  # the reference path: materialise the weight
+            return F.linear(x, self.dense_weight().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        return y if self.bias is None else y + self.bias
+
+    def kernel_layout(self) -> tuple[torch.Tensor, int, SparseRows | None, torch.Tensor] | None:
+        """(indices as the LUT kernel reads them, their width, the outliers' corrections by row,
+        the tables), prepared once and kept while indices, codebook and outliers stay the same:
+        the stored bytes themselves at 4 and 8 bits, re-packed as nibbles (1-3 bits) or bytes
+        (5-7 bits) otherwise; tables of fewer than 16 entries padded to 16 for nibbles (once, not
+        per call: on a GPU each call's pad was one more kernel launch). None: scalar codebooks only."""
+        if self.cluster_dim != 1 or self.in_features % 2:
+            return None
+        key = [(t.data_ptr(), t._version) for t in (self.indices, self.codebook)]
+        if self.outliers:  # their corrections depend on the codebook (which fine-tuning trains) too
+            key += [(t.data_ptr(), t._version) for t in (self.outlier_index, self.outlier_value)]
+        if getattr(self, "_layout_key", None) != key:
+            idx = self.index_matrix()
+            width = 4 if self.bits <= 4 else 8
+            layout = self.indices if self.bits in (4, 8) else pack(idx, 4) if width == 4 else idx.to(torch.uint8).flatten()
+            sparse = None
+            if self.outliers:  # the exact weights kept aside: their difference to the codebook value
+                pos = self.outlier_index.long()
+                delta = self.outlier_value - self.codebook[pos // self.in_features // self.group_size, idx.flatten()[pos], 0]
+                sparse = SparseRows.from_positions(pos, delta.detach(), (self.out_features, self.in_features))
+            tables = self.codebook[..., 0]
+            if width == 4 and tables.shape[1] < 16:
+                tables = F.pad(tables, (0, 16 - tables.shape[1]))
+            self._layout, self._layout_key = (layout, width, sparse, tables.detach().contiguous()), key
+        return self._layout
+
+    def lut_forward(self, x: torch.Tensor) -> torch.Tensor | None:
+        """x @ Wᵀ by a registered look-up-table kernel, never forming W; None where it does not apply."""
+        fast = KERNELS.get("palettized")
+        if fast is None or torch.is_grad_enabled() and (x.requires_grad or self.codebook.requires_grad):
+            return None  # the codebook trains: autograd needs the torch path (and the layout would go stale each step)
+        layout = self.kernel_layout()
+        if layout is None:
+            return None
+        indices, width, sparse, tables = layout
+        return fast(x, indices, width, tables, self.group_size, self.out_features, sparse)
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        """Fine-tuning a palettized layer trains its centroids (Deep Compression)."""
+        return [self.codebook]
+
+    def storage_bits(self) -> int:
+        """Bits this layer's indices, codebook and outliers take on disk (what is saved)."""
+        index_bytes = (self.huffman_stream.numel() + self.huffman_lengths.numel() + 4 * self.huffman_blocks.numel()
+                       if self.stream_bytes is not None else self.indices.numel())
+        value_bytes = getattr(torch, self.codebook_dtype).itemsize
+        return 8 * (index_bytes + (self.codebook.numel() + self.outliers) * value_bytes + 4 * self.outliers)
+
+    def spec(self) -> dict:
+        return {"in_features": self.in_features, "out_features": self.out_features, "bits": self.bits,
+                "group_size": self.group_size, "cluster_dim": self.cluster_dim, "bias": self.bias is not None,
+                "stream_bytes": self.stream_bytes, "conv1d": self.conv1d, "codebook_dtype": self.codebook_dtype,
+                "outliers": self.outliers}
+
+
+@register_layer
+class PalettizedEmbedding(CompressedLayer, nn.Module):
+    """An embedding whose (vocab, hidden) table is a ``PalettizedLinear`` (``table``): a lookup
+    decodes only the rows it reads. With tied embeddings the LM head *is* that table module,
+    so the matrix is stored once and the head's matmul runs the LUT kernel."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None, scale: float = 1.0):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim, self.padding_idx, self.scale = num_embeddings, embedding_dim, padding_idx, scale
+        self.register_module("table", None)  # set by ``around`` or, on loading, by ``build``
+
+    @classmethod
+    def around(cls, table: PalettizedLinear, embedding: nn.Embedding) -> PalettizedEmbedding:
+        new = cls(table.out_features, table.in_features, embedding.padding_idx, float(getattr(embedding, "embed_scale", 1.0)))
+        new.table = table
+        return new
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out = self.table.rows(ids)
+        return out if self.scale == 1.0 else out * self.scale  # e.g. Gemma's sqrt(H) embedding scale
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dense table, for code that reads ``get_input_embeddings().weight`` (dtype, device, values)."""
+        return self.table.dense_weight()
+
+    def spec(self) -> dict:
+        return {"num_embeddings": self.num_embeddings, "embedding_dim": self.embedding_dim,
+                "padding_idx": self.padding_idx, "scale": self.scale}
+
+    def to_dense(self) -> nn.Embedding:
+        w = self.table.dense_weight().detach()
+        emb = nn.Embedding(self.num_embeddings, self.embedding_dim, padding_idx=self.padding_idx, device=w.device,
+                           dtype=w.dtype)
+        with torch.no_grad():
+            emb.weight.copy_(w)
+        return emb
+
+
+@register_layer
+class FactorizedEmbedding(CompressedLayer, nn.Module):
+    """ALBERT's factorised embedding: lookup in a (V, E) table followed by an (E -> H) projection."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, rank: int, padding_idx: int | None = None,
+                 scale: float = 1.0):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim, self.rank, self.scale = num_embeddings, embedding_dim, rank, scale
+        self.embed = nn.Embedding(num_embeddings, rank, padding_idx=padding_idx)
+        self.proj = nn.Linear(rank, embedding_dim, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out = self.proj(self.embed(ids))
+        return out if self.scale == 1.0 else out * self.scale  # e.g. Gemma's sqrt(H) embedding scale
+
+    def dense_weight(self) -> torch.Tensor:
+        """The (V, H) table (unscaled, as a tied head reads it)."""
+        return self.embed.weight @ self.proj.weight.T
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """Dense table for code that reads ``get_input_embeddings().weight`` (dtype, device, values)."""
+        return self.dense_weight()
+
+    def spec(self) -> dict:
+        return {"num_embeddings": self.num_embeddings, "embedding_dim": self.embedding_dim, "rank": self.rank,
+                "padding_idx": self.embed.padding_idx, "scale": self.scale}
+
+    def to_dense(self) -> nn.Embedding:
+        """The dense table; a scale is the model's own (its embedding class applies it on export)."""
+        w = self.dense_weight().detach()
+        emb = nn.Embedding(self.num_embeddings, self.embedding_dim, padding_idx=self.embed.padding_idx,
+                           device=w.device, dtype=w.dtype)
+        with torch.no_grad():
+            emb.weight.copy_(w)
+        return emb
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return list(self.parameters())
+
+
+@register_layer
+class FactorizedLMHead(CompressedLinear):
+    """LM head tied to a FactorizedEmbedding: logits = h P E^T. Its ``embed`` and ``proj``
+    are the embedding's own modules (the same objects), so the factors are stored once."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, rank: int, bias: bool = False):
+        super().__init__()
+        self.in_features, self.out_features, self.rank = embedding_dim, num_embeddings, rank
+        self.embed = nn.Embedding(num_embeddings, rank)  # replaced by the embedding's own when built or loaded
+        self.proj = nn.Linear(rank, embedding_dim, bias=False)
+        self.bias = nn.Parameter(torch.empty(num_embeddings)) if bias else None
+
+    @classmethod
+    def tied_to(cls, embedding: FactorizedEmbedding, bias: nn.Parameter | None) -> FactorizedLMHead:
+        head = cls(embedding.num_embeddings, embedding.embedding_dim, embedding.rank, bias is not None)
+        head.embed, head.proj, head.bias = embedding.embed, embedding.proj, bias
+        return head
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(h @ self.proj.weight, self.embed.weight, self.bias)
+
+    def dense_weight(self) -> torch.Tensor:
+        return self.embed.weight @ self.proj.weight.T
+
+    def spec(self) -> dict:
+        return {"num_embeddings": self.out_features, "embedding_dim": self.in_features, "rank": self.rank,
+                "bias": self.bias is not None}
+
+
+# ----------------------------------------------------------------------------- structure of a model
+
+
+def _get(root: nn.Module, name: str) -> nn.Module:
+    return root.get_submodule(name) if name else root
+
+
+def _set(root: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, leaf = name.rpartition(".")
+    setattr(_get(root, parent), leaf, module)
+
+
+def module_aliases(model: nn.Module) -> dict[str, str]:
+    """alias name -> canonical (first) name, for modules reachable under several names."""
+    first: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        if any(name.startswith(a + ".") for a in aliases):
+            continue  # inside an aliased module: covered by the alias itself
+        if id(module) in first:
+            aliases[name] = first[id(module)]
+        else:
+            first[id(module)] = name
+    return aliases
+
+
+def tensor_aliases(model: nn.Module) -> dict[str, str]:
+    """alias -> first name of every state-dict entry reached under several names (a module
+    shared between layers, an LM head tied to the embedding): the file holds each tensor once."""
+    first: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    for mname, module in model.named_modules(remove_duplicate=False):
+        own = [*module._parameters.items(),
+               *((k, b) for k, b in module._buffers.items() if k not in module._non_persistent_buffers_set)]
+        for leaf, t in own:
+            if t is None:
+                continue
+            name = f"{mname}.{leaf}" if mname else leaf
+            if first.setdefault(id(t), name) != name:
+                aliases[name] = first[id(t)]
+    return aliases
+
+
+def describe(model: nn.Module) -> dict:
+    """The ``compression`` section of config.json: what ``build`` needs to rebuild ``model``'s
+    structure from its base architecture, and which names the file does not hold."""
+    aliases = module_aliases(model)
+    layers = {name: {"type": type(m).__name__, "spec": m.spec()} for name, m in model.named_modules()
+              if type(m).__name__ in LAYERS and name not in aliases}
+    return {"format": "wscompress", "version": FORMAT_VERSION, "modules": layers, "module_aliases": aliases,
+            "tensor_aliases": tensor_aliases(model), "trains": list(model.__dict__.get("wscompress_trains", []))}
+
+
+def build(model: nn.Module, compression: dict) -> None:
+    """Swap the base model's modules for the compressed layers ``compression`` names (empty
+    tensors, to be loaded) and make shared modules shared again."""
+    for name, entry in compression.get("modules", {}).items():
+        cls = LAYERS.get(entry["type"])
+        if cls is None:
+            raise ValueError(f"compressed layer type {entry['type']!r} is unknown to this modeling_wscompress.py: "
+                             "the folder was written by a newer wscompress; upgrade wscompress (pip install -U "
+                             "wscompress), or load the folder with trust_remote_code=True to use the code it carries")
+        _set(model, name, cls(**entry["spec"]))
+    for alias, canonical in compression.get("module_aliases", {}).items():
+        _set(model, alias, _get(model, canonical))
+    model.__dict__["wscompress_trains"] = list(compression.get("trains", []))
+
+
+def tie(model: nn.Module, aliases: dict[str, str]) -> None:
+    """Make every aliased tensor name point at its canonical tensor again (after loading)."""
+    for alias, canonical in aliases.items():
+        owner, _, leaf = alias.rpartition(".")
+        target = model.get_parameter(canonical) if canonical in dict(model.named_parameters()) else model.get_buffer(canonical)
+        if getattr(_get(model, owner), leaf) is not target:
+            setattr(_get(model, owner), leaf, target)
+
+
+def settle(model: nn.Module, dtype: torch.dtype | None) -> None:
+    """After transformers loaded the tensors: decode the Huffman-coded indices the file held, and
+    bring codebooks and outliers (stored in ``codebook_dtype``, which its loader keeps) to the
+    dtype the model computes in, as ``load_state_dict`` does."""
+    for module in model.modules():
+        if isinstance(module, PalettizedLinear):
+            module.decode_stream()
+            if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+                with torch.no_grad():
+                    module.codebook.data = module.codebook.data.to(dtype)
+                    if module.outliers:
+                        module.outlier_value = module.outlier_value.to(dtype)
+
+
+def write_code(folder: str | os.PathLike) -> None:
+    """Copy this module into ``folder``, where ``auto_map`` finds it (trust_remote_code)."""
+    shutil.copyfile(__file__, os.path.join(folder, CODE_FILE))
+
+
+# ----------------------------------------------------------------------------- transformers classes
+
+_FAMILY: dict[str, tuple[type, type]] = {}  # base model type -> (config class, model class) made for it
+
+
+class WSCompressConfig(PretrainedConfig):
+    """``config.json`` of a compressed folder. On disk the base model's config is nested under
+    ``base_config`` (so no stock class reads it as its own); in memory a config is an instance of
+    a subclass of the base config's class made for it (``family``), so the base model's code
+    finds every field it reads, plus ``compression`` (see ``describe``)."""
+
+    model_type = "wscompress"
+    base_model_type: ClassVar[str | None] = None  # set on the classes made for each base model type
+    base_architecture: ClassVar[str | None] = None
+    compression: dict | None = None
+
+    @classmethod
+    def from_dict(cls, config_dict: dict[str, Any], **kwargs):
+        data = dict(config_dict)
+        if "base_config" in data:  # config.json's layout
+            data = {**data["base_config"], "dtype": data.get("torch_dtype"), "compression": data.get("compression")}
+        base_type = data.pop("model_type", None)
+        if base_type in (None, cls.model_type):  # flat, from another config of this family
+            base_type = cls.base_model_type
+        if base_type is None:
+            raise ValueError("a wscompress config needs the base model's type (base_config.model_type)")
+        data.pop("auto_map", None)
+        config_class = family(base_type)[0]
+        return super(WSCompressConfig, config_class).from_dict(data, **kwargs)
+
+    @classmethod
+    def wrapping(cls, config: PretrainedConfig, compression: dict) -> WSCompressConfig:
+        """A compressed model's config from its base model's (or a compressed one's) config."""
+        base_type = getattr(config, "base_model_type", None) or config.model_type
+        data = {**config.to_dict(), "model_type": base_type, "compression": compression}
+        return family(base_type)[0].from_dict(data)
+
+    def base_config(self) -> PretrainedConfig:
+        """The base model's config alone (what a dense export of this model carries)."""
+        data = self.to_dict()
+        for key in ("compression", "model_type", "auto_map", "architectures"):
+            data.pop(key, None)
+        return AutoConfig.for_model(self.base_model_type, **data)
+
+    def to_json_string(self, use_diff: bool = True) -> str:
+        flat = self.to_diff_dict() if use_diff else self.to_dict()
+        compression = flat.pop("compression", None)
+        version = flat.pop("transformers_version", None)
+        dtype = flat.pop("dtype", None)
+        for key in ("model_type", "architectures", "auto_map", "torch_dtype"):
+            flat.pop(key, None)
+        nested = {"model_type": self.model_type, "architectures": ["WSCompressForCausalLM"], "auto_map": AUTO_MAP,
+                  "dtype": STOCK_CLASS_GUARD, "torch_dtype": dtype,
+                  "base_config": {"model_type": self.base_model_type, "architectures": [self.base_architecture], **flat,
+                                  "dtype": STOCK_CLASS_GUARD},
+                  "compression": compression, "transformers_version": version}
+        return json.dumps(nested, indent=2, sort_keys=False) + "\n"
+
+
+class WSCompressForCausalLM(PreTrainedModel, GenerationMixin):
+    """A causal LM whose layers are stored compressed. ``WSCompressForCausalLM(config)`` and
+    ``from_pretrained`` give an instance of the subclass made for the base architecture
+    (``WSCompressLlamaForCausalLM`` is a ``LlamaForCausalLM``): the base class builds its
+    modules, ``build`` swaps in the compressed layers, transformers loads the tensors."""
+
+    config_class = WSCompressConfig
+
+    def __new__(cls, config: PretrainedConfig | None = None, *args, **kwargs):
+        if cls is WSCompressForCausalLM:  # the name config.json gives: become the class of its base architecture
+            cls = family(config.base_model_type)[1]
+        return super().__new__(cls)
+
+    def __init__(self, config: WSCompressConfig, *args, **kwargs):
+        super().__init__(config, *args, **kwargs)  # the base class: its dense modules (empty, on the meta device when loading)
+        build(self, config.compression or {})
+        self._tied_weights_keys = self.all_tied_weights_keys = self.get_expanded_tied_weights_keys()
+
+    def get_expanded_tied_weights_keys(self, all_submodels: bool = False) -> dict:
+        """Every name the file does not hold -> the name it holds (transformers ties them when
+        loading, leaves them out when saving), as far as this structure has both names yet."""
+        aliases = (self.config.compression or {}).get("tensor_aliases", {})
+        names = {n for n, _ in self.named_parameters(remove_duplicate=False)} | {n for n, _ in self.named_buffers(remove_duplicate=False)}
+        return {a: c for a, c in aliases.items() if a in names and c in names}
+
+    def get_parameter(self, target: str) -> torch.Tensor:
+        """A parameter, or else a buffer of that name: transformers ties names through this, and a
+        palettized module shared by several names (the table behind a tied head) has buffers too."""
+        try:
+            return super().get_parameter(target)
+        except AttributeError:
+            return self.get_buffer(target)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        if cls is WSCompressForCausalLM:
+            config = kwargs.get("config")
+            if not isinstance(config, WSCompressConfig):
+                hub = {k: kwargs[k] for k in ("cache_dir", "force_download", "local_files_only", "token", "revision",
+                                              "subfolder", "proxies") if k in kwargs}
+                config = WSCompressConfig.from_pretrained(config or pretrained_model_name_or_path, **hub)
+            return family(config.base_model_type)[1].from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+        with_info = kwargs.pop("output_loading_info", False)
+        model, info = super().from_pretrained(pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs)
+        wrong = {k: sorted(info[k])[:3] for k in ("missing_keys", "unexpected_keys", "mismatched_keys") if info.get(k)}
+        if wrong:  # transformers would fill the gaps with random weights: refuse instead
+            raise ValueError(f"{pretrained_model_name_or_path}: the weight files do not match config.json's compression "
+                             f"section ({wrong}); the folder is incomplete or corrupt: write it again (wscompress "
+                             "compress, or wscompress export --format hf)")
+        settle(model, model.config.dtype)
+        return (model, info) if with_info else model
+
+    def save_pretrained(self, save_directory, *args, **kwargs) -> None:
+        """transformers' save, with the structure described as it is now and this code beside it."""
+        adopt(self)  # the structure as it is now
+        os.makedirs(save_directory, exist_ok=True)
+        if kwargs.get("is_main_process", True):
+            write_code(save_directory)  # first: a push_to_hub inside the save uploads it too
+        super().save_pretrained(save_directory, *args, **kwargs)
+
+
+def family(base_type: str) -> tuple[type[WSCompressConfig], type[WSCompressForCausalLM]]:
+    """The (config, model) classes of compressed models of one base model type, made once:
+    subclasses of the base config and causal-LM classes transformers has for ``base_type``,
+    registered with ``AutoModelForCausalLM`` so their configs find them."""
+    if base_type not in _FAMILY:
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+        if base_type not in CONFIG_MAPPING:
+            raise ValueError(f"the compressed model's base type {base_type!r} is not one this transformers knows: "
+                             "upgrade transformers")
+        base_config = CONFIG_MAPPING[base_type]
+        base_model = MODEL_FOR_CAUSAL_LM_MAPPING[base_config]
+        config_class = type(f"WSCompress{base_config.__name__}", (WSCompressConfig, base_config),
+                            {"model_type": WSCompressConfig.model_type, "base_model_type": base_type,
+                             "base_architecture": base_model.__name__, "__module__": __name__})
+        model_class = type(f"WSCompress{base_model.__name__}", (WSCompressForCausalLM, base_model),
+                           {"config_class": config_class, "__module__": __name__})
+        AutoModelForCausalLM.register(config_class, model_class, exist_ok=True)
+        _FAMILY[base_type] = config_class, model_class
+    return _FAMILY[base_type]
+
+
+def adopt(model: nn.Module) -> None:
+    """Make a model whose modules were swapped in memory (``wscompress.compress``) an instance of
+    its compressed-model class, and its config of the matching config class, describing the
+    structure it has now: transformers' own ``save_pretrained`` then writes a compressed folder,
+    never a base config over compressed weights."""
+    if not isinstance(model, WSCompressForCausalLM):
+        config_class, model_class = family(model.config.model_type)
+        if not isinstance(model, model_class.__mro__[2]):
+            raise ValueError(f"{type(model).__name__} is not the causal LM class transformers has for "
+                             f"{model.config.model_type!r} ({model_class.__mro__[2].__name__})")
+        model.config.__class__ = config_class  # the same object: every submodule holding it sees the change
+        model.__class__ = model_class
+    model.config.compression = describe(model)
+    if model.config.dtype is None:  # say it: "auto" would otherwise take the first tensor's, maybe a codebook's float16
+        model.config.dtype = model.dtype
+    model._tied_weights_keys = model.all_tied_weights_keys = model.get_expanded_tied_weights_keys()
+
+
+def register() -> None:
+    """Let ``AutoConfig``/``AutoModelForCausalLM`` load compressed folders without
+    trust_remote_code (wscompress calls this on import)."""
+    AutoConfig.register(WSCompressConfig.model_type, WSCompressConfig, exist_ok=True)
