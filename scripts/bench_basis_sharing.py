@@ -25,10 +25,10 @@ from pathlib import Path
 
 import torch
 
-from wscompress import data, storage
-from wscompress.evaluate.perplexity import perplexity
-from wscompress.model import load_model
-from wscompress.recipe import load_recipe
+from wscompress.evaluation.perplexity import perplexity
+from wscompress.io import data, storage
+from wscompress.io.checkpoints import load_model
+from wscompress.recipe.load import load_recipe
 from wscompress.workflow import apply_stages
 
 REPO = Path(__file__).resolve().parents[1]

@@ -14,12 +14,11 @@ import statistics
 import time
 from typing import Callable
 
-import wscompress  # noqa: F401  (first: it sets OpenBLAS's threads to sleep before scipy loads, see memory.py)
-
 import torch  # noqa: E402
 from scipy.linalg.blas import ssyrk  # noqa: E402
 from transformers.models.llama.modeling_llama import LlamaRMSNorm  # noqa: E402
 
+import wscompress  # noqa: F401  (first: it sets OpenBLAS's threads to sleep before scipy loads, see memory.py)
 from wscompress import kernels  # noqa: E402
 
 

@@ -25,8 +25,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import wscompress
-from wscompress import storage
-from wscompress.report import markdown_table
+from wscompress.io import storage
+from wscompress.io.ui import markdown_table
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
@@ -58,7 +58,7 @@ def main() -> None:
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM
 
-    from wscompress.model import builtin_dir
+    from wscompress.io.checkpoints import builtin_dir
 
     source = builtin_dir("smollm2-135m-instruct")
     ids = torch.randint(0, 49152, (1, 64), generator=torch.Generator().manual_seed(0))

@@ -44,8 +44,8 @@ def timed(fn, *args):
 def sklearn_comparison(model, bits: int) -> list[dict]:
     from sklearn.cluster import KMeans
 
-    from wscompress.arch import get_module
-    from wscompress.clustering import cluster
+    from wscompress.maths.clustering import cluster
+    from wscompress.model.arch import get_module
 
     rows = []
     for name in MATRICES:
@@ -66,7 +66,7 @@ def sklearn_comparison(model, bits: int) -> list[dict]:
 
 def palettize_all(model, tokenizer, stage: dict) -> dict:
     import wscompress
-    from wscompress import storage
+    from wscompress.io import storage
 
     dense = copy.deepcopy(model)
     (report,), wall, cpu = timed(wscompress.compress, dense, [stage])
@@ -86,7 +86,7 @@ def palettize_all(model, tokenizer, stage: dict) -> dict:
 
 def perplexity_table(model, ids, windows: int, bits_list: list[int], grans: list[str]) -> list[dict]:
     import wscompress
-    from wscompress.evaluate.perplexity import perplexity
+    from wscompress.evaluation.perplexity import perplexity
 
     rows = [{"bits": "dense", "granularity": "-", "ppl": round(perplexity(model, ids, 512, max_windows=windows)["ppl"], 3)}]
     print(rows[-1], flush=True)
@@ -109,10 +109,11 @@ def perplexity_table(model, ids, windows: int, bits_list: list[int], grans: list
 DKM_CHILD = """
 import json, sys, torch
 torch.set_num_threads({threads})
-from wscompress.report import peak_memory_mb
-from wscompress.model import load_model
-from wscompress.recipe import ModelConfig, load_recipe
-from wscompress.finetune import finetune
+from wscompress.evaluation.report import peak_memory_mb
+from wscompress.io.checkpoints import load_model
+from wscompress.recipe.load import load_recipe
+from wscompress.recipe.schema import ModelConfig
+from wscompress.recovery.finetune import finetune
 model, tok = load_model(ModelConfig())
 recipe = load_recipe(data={{"output": {{"dir": "{out}"}}, "eval": {{"perplexity": ["{test}"]}},
     "finetune": {{"mode": "{mode}", "steps": {steps}, "seq_len": 128, "batch_size": 1, "lr": 1e-5, "eval_windows": 1,
@@ -153,9 +154,10 @@ def main() -> None:
 
     from threadpoolctl import threadpool_limits
 
-    from wscompress import data, report, ui
-    from wscompress.model import load_model
-    from wscompress.recipe import ModelConfig
+    from wscompress.evaluation import report
+    from wscompress.io import data, ui
+    from wscompress.io.checkpoints import load_model
+    from wscompress.recipe.schema import ModelConfig
 
     ui.set_quiet(True)
     torch.set_num_threads(args.threads)
@@ -179,7 +181,7 @@ def main() -> None:
     md = [f"# kmeans benchmark ({args.threads} threads)"]
     for key in ("sklearn", "palettize_all", "perplexity", "dkm_memory"):
         if key in results:
-            md += [f"\n## {key}\n", report.markdown_table(results[key])]
+            md += [f"\n## {key}\n", ui.markdown_table(results[key])]
             ui.set_quiet(False)
             ui.show(key, results[key])
     (out / "results.md").write_text("\n".join(md) + "\n")

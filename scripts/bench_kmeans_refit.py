@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 
 import wscompress
-from wscompress import data
+from wscompress.io import data
+from wscompress.io.checkpoints import load_model
 from wscompress.methods.merge_drop import drop_layers
-from wscompress.model import load_model
-from wscompress.recipe import ModelConfig
+from wscompress.recipe.schema import ModelConfig
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))

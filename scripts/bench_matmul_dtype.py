@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from wscompress.model import native_bfloat16
+from wscompress.io.hardware import native_bfloat16
 
 SHAPES = {"q/o (576 -> 576)": (576, 576), "k/v (576 -> 192)": (576, 192),
           "gate/up (576 -> 1536)": (576, 1536), "down (1536 -> 576)": (1536, 576)}

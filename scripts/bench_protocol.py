@@ -31,11 +31,11 @@ from pathlib import Path
 
 import torch
 
-from wscompress import report as reports
-from wscompress import storage
-from wscompress.evaluate.perplexity import evaluate_text
-from wscompress.model import load_model
-from wscompress.recipe import load_recipe
+from wscompress.evaluation import report as reports
+from wscompress.evaluation.perplexity import evaluate_text
+from wscompress.io import storage
+from wscompress.io.checkpoints import load_model
+from wscompress.recipe.load import load_recipe
 from wscompress.workflow import apply_stages
 
 REPO = Path(__file__).resolve().parents[1]

@@ -30,12 +30,12 @@ from pathlib import Path
 
 import torch
 
-from wscompress import data
-from wscompress.evaluate.perplexity import evaluate_text
-from wscompress.report import markdown_table
-from wscompress.finetune import finetune
-from wscompress.model import load_model
-from wscompress.recipe import load_recipe
+from wscompress.evaluation.perplexity import evaluate_text
+from wscompress.io import data
+from wscompress.io.checkpoints import load_model
+from wscompress.io.ui import markdown_table
+from wscompress.recipe.load import load_recipe
+from wscompress.recovery.finetune import finetune
 from wscompress.workflow import apply_stages
 
 REPO = Path(__file__).resolve().parents[1]

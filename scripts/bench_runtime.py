@@ -28,12 +28,13 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from wscompress import kernels, storage
-from wscompress.evaluate.bench import kernel_path
-from wscompress.evaluate.decode import StaticDecoder
-from wscompress.model import load_model
+from wscompress import kernels
+from wscompress.evaluation.bench import kernel_path
+from wscompress.evaluation.decode import StaticDecoder
+from wscompress.io import storage
+from wscompress.io.checkpoints import load_model
+from wscompress.recipe.load import load_recipe
 from wscompress.workflow import apply_stages
-from wscompress.recipe import load_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 PLAIN = {"method": "kmeans", "sensitivity": "none", "error_feedback": False, "refit": False, "outliers": 0,
@@ -106,7 +107,7 @@ LAYER_COLS = ["layer (out x in)", "model", "weight MB", "us per call", "x dense"
 def layer_rows(device: torch.device, dtype: torch.dtype, bandwidth: float, graph: bool) -> list[dict]:
     """One decode-sized product (batch 1) per call on 7B-sized layers: dense vs palettized per
     channel, microseconds per call (best of 5 runs of ``calls``) and the weight bytes' bound."""
-    from wscompress.modeling_wscompress import PalettizedLinear
+    from wscompress.model.modeling_wscompress import PalettizedLinear
 
     gen = torch.Generator().manual_seed(0)
     calls = 200 if device.type == "cuda" else 5  # a GPU call takes microseconds: time many

@@ -43,7 +43,8 @@ def build(size: str, layers: int | None) -> Path:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from wscompress.model import builtin_dir, cache_dir
+    from wscompress.io.checkpoints import builtin_dir
+    from wscompress.io.files import cache_dir
 
     shape = {**SHAPES[size], **({"num_hidden_layers": layers} if layers else {})}
     folder = cache_dir() / "bench-scale" / f"{size}-{shape['num_hidden_layers']}l"

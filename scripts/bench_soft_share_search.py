@@ -34,17 +34,18 @@ from pathlib import Path
 import torch
 
 import wscompress
-from wscompress import data, load
-from wscompress.model import builtin_dir
+from wscompress import load
+from wscompress.io import data
+from wscompress.io.checkpoints import builtin_dir
 
 WIKI_TRAIN = "builtin:wiki.train"
 
 
 def exact_search(model, tok, window: int, rank: int, calibration: dict) -> dict[int, float]:
     """Every start's full calibration NLL (the search as it was before sampled scoring)."""
-    from wscompress.arch import discover
+    from wscompress.methods._sharing import sample_inputs
     from wscompress.methods.soft_share import Planner, place
-    from wscompress.sharing import sample_inputs
+    from wscompress.model.arch import discover
 
     arch = discover(model)
     batches = data.calibration_batches(tok, calibration["dataset"], calibration["num_samples"], calibration["seq_len"],
@@ -60,8 +61,8 @@ def exact_search(model, tok, window: int, rank: int, calibration: dict) -> dict[
 
 
 def gemma_270m_shaped():
-    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
     from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
     config = AutoConfig.for_model("gemma3_text", vocab_size=262_144, hidden_size=640, intermediate_size=2048,
                                   num_hidden_layers=18, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
@@ -122,16 +123,23 @@ def refit_search(model, tok) -> None:
 
     import torch.nn.functional as F
 
-    from wscompress.arch import discover
-    from wscompress.calibrate import layerwise, start_at
-    from wscompress.methods.soft_share import (Planner, SoftShareConfig, by_layer, place, refit_down_projections, search,
-                                               search_batches)
-    from wscompress.recipe import load_recipe
-    from wscompress.sharing import ffn_names, sample_inputs
-    from wscompress.workflow import Context
+    from wscompress.methods._sharing import ffn_names, sample_inputs
+    from wscompress.methods.soft_share import (
+        Planner,
+        SoftShareConfig,
+        by_layer,
+        place,
+        refit_down_projections,
+        search,
+        search_batches,
+    )
+    from wscompress.model.arch import discover
+    from wscompress.pipeline.context import Context
+    from wscompress.pipeline.layerwise import layerwise
+    from wscompress.recipe.load import load_recipe
 
     recipe = load_recipe(Path(__file__).resolve().parents[1] / "configs" / "protocol.yaml")
-    ctx, cfg, arch = Context(recipe, tok), SoftShareConfig(), discover(model)
+    ctx, cfg, arch = Context(recipe.calibration, tok), SoftShareConfig(), discover(model)
     batches, dtype = ctx.calibration(), ctx.dtype(model)
     names = [n for i in range(arch.num_layers) for n in ffn_names(arch, i, "soft_share").values()]
     planner = Planner(arch, sample_inputs(model, arch, batches, "down", cfg.samples_per_batch, dtype=dtype), cfg.rank,
@@ -178,15 +186,15 @@ def refit_search(model, tok) -> None:
 def joint_solve(model, tok, start: int = 15) -> None:
     """Section 4: ``shared_plus_deltas`` with its subspace-iterated truncations against the
     exact ones, on the problems the stage's build of layers ``start``.. poses."""
-    from wscompress.arch import discover
-    from wscompress.linalg import low_rank, truncation_by_iteration
+    from wscompress.maths.linalg import low_rank, truncation_by_iteration
     from wscompress.methods import soft_share
-    from wscompress.recipe import load_recipe
-    from wscompress.sharing import ffn_names, sample_inputs
-    from wscompress.workflow import Context
+    from wscompress.methods._sharing import ffn_names, sample_inputs
+    from wscompress.model.arch import discover
+    from wscompress.pipeline.context import Context
+    from wscompress.recipe.load import load_recipe
 
     recipe = load_recipe(Path(__file__).resolve().parents[1] / "configs" / "protocol.yaml")
-    ctx, cfg, arch = Context(recipe, tok), soft_share.SoftShareConfig(), discover(model)
+    ctx, cfg, arch = Context(recipe.calibration, tok), soft_share.SoftShareConfig(), discover(model)
     names = [n for i in range(arch.num_layers) for n in ffn_names(arch, i, "soft_share").values()]
     acts = sample_inputs(model, arch, ctx.calibration(), "down", cfg.samples_per_batch, dtype=ctx.dtype(model))
     planner = soft_share.Planner(arch, acts, cfg.rank, ctx.stats(model, names), cfg.base, cfg.whitening)

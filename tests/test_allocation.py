@@ -6,12 +6,13 @@ import pytest
 import torch
 
 import wscompress
-from conftest import tiny_model
-from wscompress import calibrate
-from wscompress.allocation import Unit, allocate, spectrum
-from wscompress.arch import discover, get_module
 from wscompress.errors import UsageError
-from wscompress.modeling_wscompress import LowRankLinear
+from wscompress.maths.allocation import Unit, allocate, spectrum
+from wscompress.model.arch import discover, get_module
+from wscompress.model.modeling_wscompress import LowRankLinear
+from wscompress.pipeline import calibration, layerwise
+
+from conftest import tiny_model
 
 CALIB = {"dataset": "pydoc", "num_samples": 8, "seq_len": 64, "batch_size": 4}
 
@@ -38,7 +39,7 @@ def test_allocation_meets_the_budget_and_follows_the_loss():
 def test_spectrum_is_the_whitened_truncation_loss():
     """Dropping the last ranks of the whitened SVD costs exactly the sum of their spectrum in
     output error ‖(W - CB)Xᵀ‖²."""
-    from wscompress.linalg import low_rank
+    from wscompress.maths.linalg import low_rank
 
     gen = torch.Generator().manual_seed(1)
     x, w = torch.randn(200, 24, generator=gen).double(), torch.randn(16, 24, generator=gen).double()
@@ -52,7 +53,7 @@ def test_output_sensitivity_is_the_mean_squared_output_gradient():
     model = tiny_model("llama")
     names = ["model.layers.0.mlp.down_proj", "model.layers.3.self_attn.q_proj"]
     batches = list(torch.randint(0, 512, (4, 16), generator=torch.Generator().manual_seed(2)).split(2))
-    got = calibrate.output_sensitivity(model, names, batches, samples=3)
+    got = calibration.output_sensitivity(model, names, batches, samples=3)
     assert all(p.requires_grad and p.grad is None for p in model.parameters())  # weights untouched
     expected = {}
     for name in names:  # by hand: each sequence's loss, the gradient at the module's output
@@ -77,18 +78,19 @@ def test_sensitivities_with_the_gram_pass_equal_a_pass_of_their_own(samples, mon
     names = [n for i in range(arch.num_layers) for n in arch.projections(i).values()]
     batches = list(torch.randint(0, 512, (8, 16), generator=torch.Generator().manual_seed(3)).split(2))
     forwards = []
-    capture = calibrate.capture_inputs
-    monkeypatch.setattr(calibrate, "capture_inputs", lambda *a, **k: forwards.append(1) or capture(*a, **k))
-    got = calibrate.collect_grams(model, batches, names, sensitivity_samples=samples).sensitivity
+    capture = layerwise.capture_inputs
+    for module in (layerwise, calibration):  # the layer-by-layer pass's own, and the sensitivity chunks'
+        monkeypatch.setattr(module, "capture_inputs", lambda *a, **k: forwards.append(1) or capture(*a, **k))
+    got = calibration.collect_grams(model, batches, names, sensitivity_samples=samples).sensitivity
     assert len(forwards) == 1 + (samples + 1) // 2 - 1  # the Gram pass, then each chunk but the first
     monkeypatch.undo()
-    assert got == pytest.approx(calibrate.output_sensitivity(model, names, batches, samples), rel=1e-6)
+    assert got == pytest.approx(calibration.output_sensitivity(model, names, batches, samples), rel=1e-6)
 
 
 @pytest.mark.parametrize("method", ["svd", "basis_sharing"])
 @pytest.mark.parametrize("ratio", [0.2, 0.5])
 def test_fisher_allocation_removes_the_exact_share_and_saves(method, ratio, tokenizer, tmp_path):
-    from wscompress import storage
+    from wscompress.io import storage
 
     model = tiny_model("llama", layers=4)
     arch = discover(model)
@@ -117,9 +119,10 @@ def test_fisher_beats_uniform_on_real_weights(smollm2, method="basis_sharing"):
     held-out text better than one ratio for every matrix (random tiny models have nothing to find)."""
     import copy
 
-    from conftest import WIKI_TEST, WIKI_TRAIN
-    from wscompress import data
+    from wscompress.io import data
     from wscompress.methods.merge_drop import drop_layers
+
+    from conftest import WIKI_TEST, WIKI_TRAIN
 
     model, tok = smollm2
     held_out = data.tokenize(tok, WIKI_TEST, max_tokens=4 * 256)[: 4 * 256].view(4, 256)

@@ -3,9 +3,10 @@
 import pytest
 import torch
 
-from conftest import tiny_model
-from wscompress.arch import as_linear, discover, dims_of, match_modules, weight_of
 from wscompress.errors import UsageError
+from wscompress.model.arch import as_linear, dims_of, discover, match_modules, weight_of
+
+from conftest import tiny_model
 
 EXPECTED = {
     "llama": ("model.layers", {"q", "k", "v", "o", "gate", "up", "down"}),
@@ -57,3 +58,14 @@ def test_pattern_matching_nothing_is_an_error():
 def test_invalid_regex_is_an_error():
     with pytest.raises(UsageError, match="not a valid regex"):
         match_modules(tiny_model("llama"), ["("])
+
+
+def test_architecture_facts_come_from_the_table():
+    llama, gemma = discover(tiny_model("llama")), discover(tiny_model("gemma3"))
+    assert (llama.qk_norm, llama.ffn_output_norm, llama.rope_in_halves, llama.layer_indexed) == (False, False, True, False)
+    assert (gemma.qk_norm, gemma.ffn_output_norm, gemma.rope_in_halves) == (True, True, True)
+    llama.config.partial_rotary_factor = 0.5  # RoPE on part of each head: not whole heads in halves
+    assert not llama.rope_in_halves
+    gpt2 = tiny_model("gpt2")
+    gpt2.config.scale_attn_by_inverse_layer_idx = True
+    assert discover(gpt2).layer_indexed

@@ -11,13 +11,22 @@ import torch
 from safetensors import safe_open
 
 import wscompress
-from conftest import (WIKI_TEST, WIKI_TRAIN, final_inputs, first_layers, hidden_state_error, layer_reference_inputs,
-                      real_texts, tiny_model)
-from wscompress import data, storage
-from wscompress.arch import discover
 from wscompress.errors import UsageError
+from wscompress.io import data, storage
 from wscompress.methods.basis_sharing import relative
-from wscompress.modeling_wscompress import LowRankLinear, SharedBasisLinear
+from wscompress.model.arch import discover
+from wscompress.model.modeling_wscompress import LowRankLinear, SharedBasisLinear
+
+from conftest import (
+    WIKI_TEST,
+    WIKI_TRAIN,
+    final_inputs,
+    first_layers,
+    hidden_state_error,
+    layer_reference_inputs,
+    real_texts,
+    tiny_model,
+)
 
 CALIB = {"dataset": "pydoc", "num_samples": 8, "seq_len": 64, "batch_size": 4, "dtype": "float32"}  # exact float32 references
 IDS = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(1))
@@ -127,8 +136,8 @@ def test_each_layer_gets_least_squares_coefficients_for_its_own_inputs(tokenizer
     """The basis serves the group; every layer's coefficients then minimise that layer's own
     output error ‖(W - C·B)·Xᵀ‖: the gradient (C·B - W)·XᵀX·Bᵀ vanishes, and the error is
     below the one of the coefficients read off the group's SVD."""
-    from wscompress.calibrate import collect_grams
-    from wscompress.linalg import low_rank
+    from wscompress.maths.linalg import low_rank
+    from wscompress.pipeline.calibration import collect_grams
 
     model = tiny_model("llama")
     batches = data.calibration_batches(tokenizer, CALIB["dataset"], 8, 64, 4, seed=0)
@@ -150,7 +159,7 @@ def test_each_layer_gets_least_squares_coefficients_for_its_own_inputs(tokenizer
 def test_group_basis_does_not_favour_layers_with_larger_activations():
     """Each layer's statistics are scaled by its output energy before they are summed: a layer
     whose inputs are 100x larger (deeper layers' are) gets no more say in the shared basis."""
-    from wscompress.linalg import low_rank, refit_coefficients
+    from wscompress.maths.linalg import low_rank, refit_coefficients
 
     gen = torch.Generator().manual_seed(0)
     ws = [torch.randn(12, 16, generator=gen, dtype=torch.float64) for _ in range(2)]
@@ -177,7 +186,7 @@ def test_refit_is_the_least_squares_update_on_the_inputs_each_module_finally_rec
     the original model (model), pulled toward the coefficients it had before. Bases are
     untouched, and no module misses its target by more than before the refit. With
     ``refit_samples`` the fit is on the first sequences only."""
-    from wscompress.linalg import refit_coefficients
+    from wscompress.maths.linalg import refit_coefficients
 
     batches = data.first_samples(data.calibration_batches(tokenizer, CALIB["dataset"], 8, 64, 4, seed=0), samples)
     base, plain, model = tiny_model("llama_mha"), tiny_model("llama_mha"), tiny_model("llama_mha")
@@ -210,13 +219,13 @@ def test_refit_replays_finished_blocks_without_changing_the_result(tokenizer, mo
     after its down projection (``-mlp-scaled``) is not one down ends: it is recomputed."""
     from transformers.models.llama.modeling_llama import LlamaMLP
 
-    from wscompress import compensate
+    from wscompress.pipeline import refit
 
     scaled = LlamaMLP.forward
 
     def run(replay: bool) -> tuple[torch.nn.Module, int, int]:
         if not replay:
-            monkeypatch.setattr(compensate._Replays, "__call__", lambda *_a, **_k: contextlib.nullcontext())
+            monkeypatch.setattr(refit._Replays, "__call__", lambda *_a, **_k: contextlib.nullcontext())
         if kind.endswith("-mlp-scaled"):
             monkeypatch.setattr(LlamaMLP, "forward", lambda self, x: scaled(self, x) * 1.0)
         model, calls = tiny_model(kind.split("-")[0]), {"attn": 0, "mlp": 0}
@@ -307,7 +316,7 @@ def test_bad_input(options, match, tokenizer):
 def test_smollm2_basis_sharing_end_to_end(smollm2, tmp_path):
     """The real model: GQA defaults, a sane perplexity, and a checkpoint that reloads exactly
     at the size reported (quality at proper calibration size: scripts/bench_basis_sharing.py)."""
-    from wscompress.evaluate.perplexity import perplexity
+    from wscompress.evaluation.perplexity import perplexity
 
     model, tok = smollm2
     model = copy.deepcopy(model)
@@ -326,7 +335,7 @@ def test_smollm2_basis_sharing_end_to_end(smollm2, tmp_path):
 
 
 def test_compress_step_checks_statistics_and_saves_what_it_reports(tmp_path, tiny_dir):
-    from wscompress.recipe import load_recipe
+    from wscompress.recipe.load import load_recipe
     from wscompress.workflow import model_path, step_calibrate, step_compress
 
     def recipe(kind: str):

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_model
 
-from wscompress import compress, kernels, storage
-from wscompress.evaluate import bench
-from wscompress.evaluate.decode import StaticDecoder
-from wscompress.recipe import BenchConfig, load_recipe
+from wscompress import compress, kernels
+from wscompress.evaluation import bench
+from wscompress.evaluation.decode import StaticDecoder
+from wscompress.io import storage
+from wscompress.recipe.load import load_recipe
+from wscompress.recipe.schema import BenchConfig
+from wscompress.workflow import step_bench
+
+from conftest import tiny_model
 
 
 def test_bench_compares_original_and_compressed(tmp_path, tiny_dir, tokenizer):
@@ -19,7 +23,7 @@ def test_bench_compares_original_and_compressed(tmp_path, tiny_dir, tokenizer):
     saved = storage.save(model, tokenizer, tmp_path / "run" / "model")
     r = load_recipe(data={"model": {"path": str(original), "device": "cpu"}, "output": {"dir": str(tmp_path / "run")},
                           "bench": {"batch_sizes": [1, 2], "seq_lens": [16], "decode_tokens": 2, "warmup": 0, "repeats": 1}})
-    out = bench.step_bench(r)
+    out = step_bench(r)
     rows = {row["measure"]: row for row in out["table"]}
     assert list(rows) == ["params", "weights MB", "resident weights MB", "file MB", "load s", "peak memory MB",
                           "prefill tok/s b1 s16", "decode tok/s b1 s16", "prefill tok/s b2 s16", "decode tok/s b2 s16"]
@@ -59,9 +63,9 @@ def test_peak_memory_is_this_process_not_its_parents():
     import sys
 
     ballast = torch.ones(2**30 // 4)  # 1 GiB resident in this process
-    code = "import torch; from wscompress.report import peak_memory_mb; print(peak_memory_mb(torch.device('cpu')))"
+    code = "import torch; from wscompress.evaluation.report import peak_memory_mb; print(peak_memory_mb(torch.device('cpu')))"
     child = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
-    from wscompress.report import peak_memory_mb
+    from wscompress.evaluation.report import peak_memory_mb
 
     assert peak_memory_mb(torch.device("cpu")) > 1024 > child
     del ballast

@@ -5,8 +5,9 @@ import json
 import yaml
 from typer.testing import CliRunner
 
-from conftest import WIKI_TEST
 from wscompress.cli import app
+
+from conftest import WIKI_TEST
 
 runner = CliRunner()
 
@@ -159,7 +160,7 @@ def test_run_evaluates_only_with_an_eval_section(tmp_path, tiny_dir):
 def test_the_original_perplexity_is_computed_once(tmp_path, tiny_dir, monkeypatch):
     """Per (model, text, protocol): a second evaluation of the same original reads the cache;
     another protocol (window count) computes again."""
-    from wscompress.evaluate import perplexity as ppl
+    from wscompress.evaluation import perplexity as ppl
 
     monkeypatch.setenv("WSCOMPRESS_CACHE", str(tmp_path / "cache"))
     path = recipe(tmp_path, tiny_dir("llama"))
@@ -173,6 +174,12 @@ def test_the_original_perplexity_is_computed_once(tmp_path, tiny_dir, monkeypatc
     assert calls == [] and second["ppl"] == first["ppl"]
     assert runner.invoke(app, ["eval", str(path), "-q", "--set", "eval.max_windows=2"]).exit_code == 0
     assert calls == [1]
+    # an entry that cannot be read is measured again, said, and written anew
+    for entry in (tmp_path / "cache" / "perplexity").glob("*.json"):
+        entry.write_text("{not json")
+    result = runner.invoke(app, ["eval", str(path)])
+    assert result.exit_code == 0 and "unreadable" in result.output and calls == [1, 1], result.output
+    assert runner.invoke(app, ["eval", str(path), "-q"]).exit_code == 0 and calls == [1, 1]  # healed
 
 
 def test_run_writes_a_model_card_with_the_measured_figures(tmp_path, tiny_dir):

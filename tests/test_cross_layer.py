@@ -4,12 +4,14 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import REPO, WIKI_TRAIN, assert_roundtrip, tiny_model
-from wscompress import compress, storage
-from wscompress.arch import discover
+from wscompress import compress
 from wscompress.errors import UsageError
-from wscompress.recipe import load_recipe
-from wscompress.sharing import part_leaves
+from wscompress.io import storage
+from wscompress.methods._sharing import part_leaves
+from wscompress.model.arch import discover
+from wscompress.recipe.load import load_recipe
+
+from conftest import REPO, WIKI_TRAIN, assert_roundtrip, tiny_model
 
 CALIBRATION = {"dataset": WIKI_TRAIN, "num_samples": 4, "seq_len": 32, "batch_size": 2}
 
@@ -101,7 +103,7 @@ def test_fit_shares_shuffled_copies_exactly_where_the_mean_does_not(tokenizer):
 
 def test_fitted_weight_serves_the_members_inputs_better_than_the_mean():
     """fitted_modules minimises Σ_l ‖X_l·(W − W_l)ᵀ‖² (up to its small ridge): lower than the mean's."""
-    from wscompress.sharing import average_modules, fitted_modules
+    from wscompress.methods._sharing import average_modules, fitted_modules
 
     gen = torch.Generator().manual_seed(0)
     modules = [nn.Linear(16, 8, bias=False) for _ in range(3)]
@@ -117,7 +119,7 @@ def test_fitted_weight_serves_the_members_inputs_better_than_the_mean():
 def test_refit_brings_the_model_closer_to_the_original_on_what_it_was_fitted_on(init, what, tokenizer):
     """Re-solving the shared o_proj / down_proj on the shared layers' own inputs (the default)
     brings the logits on the calibration sequences closer to the original's than sharing alone."""
-    from wscompress import data
+    from wscompress.io import data
 
     calibration = data.calibration_batches(tokenizer, WIKI_TRAIN, 4, 32, 2, seed=0)
     errors = {}

@@ -8,12 +8,14 @@ import copy
 
 import pytest
 import torch
-from conftest import WIKI_TRAIN, tiny_model
 
-from wscompress import compress, data, kernels, load, storage
-from wscompress.calibrate import collect_grams
-from wscompress.finetune import finetune
-from wscompress.recipe import load_recipe
+from wscompress import compress, kernels, load
+from wscompress.io import data, storage
+from wscompress.pipeline.calibration import collect_grams
+from wscompress.recipe.load import load_recipe
+from wscompress.recovery.finetune import finetune
+
+from conftest import WIKI_TRAIN, tiny_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 CUDA = torch.device("cuda")
@@ -59,7 +61,7 @@ def test_calibrated_low_rank_on_the_gpu_equals_the_cpu_result(tokenizer, stage):
 def test_palettized_model_decodes_with_the_triton_kernel(tokenizer, bits, granularity):
     """On a GPU, decoding goes through the Triton LUT kernel (not the weight torch decodes), in
     float16 and float32, and gives the reference path's logits and greedy tokens."""
-    from wscompress.modeling_wscompress import PalettizedLinear
+    from wscompress.model.modeling_wscompress import PalettizedLinear
 
     model = tiny_model("llama")
     grouped = {"group_size": 16} if granularity == "grouped" else {}
@@ -126,7 +128,7 @@ def test_mixed_precision_finetuning_learns_and_keeps_float32_weights(tmp_path, t
 
 
 def test_bench_times_with_cuda_events_and_reports_gpu_memory(tmp_path, tiny_dir):
-    from wscompress.evaluate import bench
+    from wscompress.evaluation import bench
 
     original = tiny_dir()
     r = load_recipe(data={"model": {"path": str(original), "device": "cuda"}, "output": {"dir": str(tmp_path / "run")},
@@ -150,7 +152,7 @@ def test_every_triton_launch_gives_the_reference_product(width, outliers):
     """Each blocking and input split the kernel may pick on a GPU (the interpreter runs two),
     on a 7B-sized down projection's input width, with and without outliers folded in."""
     from wscompress.kernels import lut_triton
-    from wscompress.modeling_wscompress import SparseRows
+    from wscompress.model.modeling_wscompress import SparseRows
 
     gen = torch.Generator().manual_seed(6)
     out_f, in_f, levels = 1000, 4096 + 128, 16 if width == 4 else 256
@@ -178,7 +180,7 @@ def test_every_triton_launch_gives_the_reference_product(width, outliers):
 def test_cuda_graph_decoding_replays_the_eager_tokens(outliers):
     """The captured decode step (bench's cuda_graph) decodes what the same steps do eagerly,
     for a dense and a palettized model (Triton kernel, outliers folded in), in float16."""
-    from wscompress.evaluate.decode import StaticDecoder
+    from wscompress.evaluation.decode import StaticDecoder
 
     model = tiny_model("llama")
     compress(model, [{"method": "kmeans", "bits": 4, **PLAIN, "outliers": outliers}])

@@ -5,14 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from wscompress import compress
+from wscompress.errors import UsageError
+from wscompress.io import data
+from wscompress.recipe.schema import DistillConfig
+from wscompress.recovery.distill import distill_loss
+from wscompress.recovery.finetune import finetune
+
 from conftest import WIKI_TEST, tiny_model
 from test_finetune import recipe, svd_model
-
-from wscompress import compress, data
-from wscompress.distill import distill_loss
-from wscompress.errors import UsageError
-from wscompress.finetune import finetune
-from wscompress.recipe import DistillConfig
 
 IDS = torch.randint(0, 512, (4, 32), generator=torch.Generator().manual_seed(5))
 
@@ -70,7 +71,7 @@ def test_a_teacher_with_another_vocabulary_is_refused(tmp_path, tokenizer):
 
 
 def test_distill_options_are_checked():
-    from wscompress.recipe import load_recipe
+    from wscompress.recipe.load import load_recipe
 
     for bad in ({"kl": 0, "lm": 0, "hidden": 0}, {"temperature": 0}, {"teacher": "x"}):
         with pytest.raises(UsageError):
@@ -114,8 +115,8 @@ def test_layerwise_distillation_refuses_a_shallower_student(tmp_path, tokenizer)
 def test_cached_top_k_teacher(tmp_path, tokenizer, tiny_dir, monkeypatch):
     """The KL on the teacher's cached top-k equals the full KL when k covers the vocabulary; a
     second run on the same batches reads the cache, never loads the teacher, and ends alike."""
-    from wscompress import distill
-    from wscompress.recipe import load_recipe
+    from wscompress.recipe.load import load_recipe
+    from wscompress.recovery import distill
 
     teacher, student = tiny_model("llama"), svd_model()
     cache = distill.TeacherCache(tmp_path / "cache", {"test": 1}, k=512)
@@ -130,7 +131,13 @@ def test_cached_top_k_teacher(tmp_path, tokenizer, tiny_dir, monkeypatch):
         r = load_recipe(data={**r.model_dump(exclude={"compress", "source"}), "model": {"path": str(teacher_dir)}})
         _, runs[run] = finetune(svd_model(), tokenizer, r)
         monkeypatch.setattr(distill, "load_teacher", lambda *a: pytest.fail("the teacher was loaded"))
-    assert len(list((tmp_path / "out" / "teacher-cache").glob("*/batch-*"))) == 4
+    batches = sorted((tmp_path / "out" / "teacher-cache").glob("*/batch-*"))
+    assert len(batches) == 4
     assert runs["second"]["final_loss"] == pytest.approx(runs["first"]["final_loss"], rel=1e-6)
+    batches[1].write_bytes(b"garbage")  # an entry that cannot be read: the teacher runs for it and writes it anew
+    monkeypatch.undo()
+    _, healed = finetune(svd_model(), tokenizer, r)
+    assert healed["final_loss"] == pytest.approx(runs["first"]["final_loss"], rel=1e-6)
+    assert distill.TeacherCache._readable(batches[1])
     with pytest.raises(UsageError, match="hidden"):
         load_recipe(data={"finetune": {"distill": {"cache_topk": 8, "hidden": 1.0}}})

@@ -12,7 +12,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from wscompress.stats import Stats
+from wscompress.pipeline.stats import Stats
 
 
 def launch(args: list[str], processes: int, cwd) -> subprocess.CompletedProcess:
@@ -86,7 +86,7 @@ def test_each_process_takes_its_own_gpu_or_the_cpu(monkeypatch, gpus, processes,
     """A launch with more processes on a machine than GPUs runs `auto` on the CPU (rank 1 asked
     for a second GPU that a one-GPU machine does not have) and refuses an explicit `cuda`."""
     from wscompress.errors import UsageError
-    from wscompress.model import resolve_device
+    from wscompress.io.hardware import resolve_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)

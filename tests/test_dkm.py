@@ -7,18 +7,19 @@ import copy
 
 import pytest
 import torch
-from conftest import WIKI_TEST, WIKI_TRAIN, tiny_model
 
 import wscompress
-from wscompress import data, storage
 from wscompress.errors import UsageError
-from wscompress.evaluate.perplexity import perplexity
-from wscompress.finetune import finetune
-from wscompress.methods.dkm import DKMLinear, parse_options, prepare_dkm
-from wscompress.clustering import centroid_means, nearest
-from wscompress.modeling_wscompress import PalettizedLinear
-from wscompress.recipe import load_recipe
+from wscompress.evaluation.perplexity import perplexity
+from wscompress.io import data, storage
+from wscompress.maths.clustering import centroid_means, nearest
+from wscompress.model.modeling_wscompress import PalettizedLinear
+from wscompress.recipe.load import load_recipe
+from wscompress.recipe.schema import DKMConfig
+from wscompress.recovery.dkm import DKMLinear, kmeans_stage, prepare_dkm
+from wscompress.recovery.finetune import finetune
 
+from conftest import WIKI_TEST, WIKI_TRAIN, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -26,14 +27,15 @@ pytestmark = pytest.mark.usefixtures("one_thread")
                                          ({"iterations": 0}, "iterations"), ({"chunk": 5}, "chunk"),
                                          ({"granularity": "grouped"}, "group_size")])
 def test_bad_options(options, key):
+    """Options of the dkm mode are checked with the recipe (and as the kmeans stage they amount to)."""
     with pytest.raises(UsageError, match=key):
-        parse_options(options)
+        kmeans_stage(load_recipe(data={"finetune": {"mode": "dkm", "dkm": options}}).finetune.dkm)
 
 
 def test_bad_shape_refused_before_wrapping():
     model = tiny_model("llama")
     with pytest.raises(UsageError, match="cluster_dim=3"):
-        prepare_dkm(model, {"cluster_dim": 3})
+        prepare_dkm(model, DKMConfig(cluster_dim=3))
     assert not any(isinstance(m, DKMLinear) for m in model.modules())
 
 
@@ -42,7 +44,7 @@ def test_chunked_attention_gives_the_same_weights_and_gradients(opts):
     grads = []
     for chunk in (1 << 22, 2048):  # one chunk vs 32 small ones (recomputed in backward)
         model = tiny_model("llama").double()  # float64: only the summation order differs
-        prepare_dkm(model, {**opts, "chunk_size": chunk, "targets": [r"layers\.0\.mlp\.up_proj"]})
+        prepare_dkm(model, DKMConfig(**opts, chunk_size=chunk, targets=[r"layers\.0\.mlp\.up_proj"]))
         layer = model.model.layers[0].mlp.up_proj
         layer.train()
         w = layer.soft_weight()
@@ -54,10 +56,10 @@ def test_chunked_attention_gives_the_same_weights_and_gradients(opts):
 
 
 def test_forward_passes_warm_start_and_snap_ends_with_a_hard_lloyd_step():
-    from wscompress.methods.dkm import _sums
+    from wscompress.recovery.dkm import _sums
 
     model = tiny_model("llama").double()
-    prepare_dkm(model, {"bits": 2, "iterations": 1, "targets": [r"layers\.0\.mlp\.up_proj"]})
+    prepare_dkm(model, DKMConfig(bits=2, iterations=1, targets=[r"layers\.0\.mlp\.up_proj"]))
     layer = model.model.layers[0].mlp.up_proj
 
     def step(c):  # one soft k-means update from c

@@ -4,10 +4,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import assert_roundtrip, tiny_model
-from wscompress import compress, storage
+from wscompress import compress
 from wscompress.errors import UsageError
-from wscompress.modeling_wscompress import FactorizedEmbedding, FactorizedLMHead
+from wscompress.io import storage
+from wscompress.model.modeling_wscompress import FactorizedEmbedding, FactorizedLMHead
+
+from conftest import assert_roundtrip, tiny_model
 
 
 @pytest.mark.parametrize("init", ["input", "output", "mean"])

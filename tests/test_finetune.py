@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import WIKI_TEST, WIKI_TRAIN, tiny_model
 
-from wscompress import compress, data
+from wscompress import compress
 from wscompress.errors import UsageError
-from wscompress.finetune import finetune, lora_target_names
-from wscompress.modeling_wscompress import LowRankLinear
-from wscompress.recipe import load_recipe
+from wscompress.io import data
+from wscompress.model.modeling_wscompress import LowRankLinear
+from wscompress.recipe.load import load_recipe
+from wscompress.recovery.finetune import finetune, lora_target_names
+
+from conftest import WIKI_TEST, WIKI_TRAIN, tiny_model
 
 
 def recipe(tmp_path, **finetune_opts):
@@ -65,7 +67,7 @@ def test_lora_is_merged_into_the_compressed_structure(tmp_path, tokenizer):
     model = svd_model()
     x = torch.randint(0, 512, (1, 16))
     before = model(x).logits
-    trained, out = finetune(model, tokenizer, recipe(tmp_path, mode="lora", lora_targets=["q_proj"], lr=1e-2))
+    trained, out = finetune(model, tokenizer, recipe(tmp_path, mode="lora", lora={"targets": ["q_proj"]}, lr=1e-2))
     assert out["lora_merged"] and out["lora_modules"] == 8  # basis + coeff of 4 layers
     q = trained.model.layers[0].self_attn.q_proj
     assert isinstance(q, LowRankLinear) and type(q.coeff) is torch.nn.Linear and type(q.basis) is torch.nn.Linear
@@ -111,8 +113,8 @@ def test_method_mode_needs_compressed_layers(tmp_path, tokenizer):
 def test_method_mode_trains_what_a_structural_stage_made(stage, trained_part, tmp_path, tokenizer):
     """Shared, merged, pooled and factorised modules are the method's own parameters: recorded
     in the saved model, they are what `mode: method` trains, and nothing else moves."""
-    from wscompress import storage
-    from wscompress.finetune import method_parameters
+    from wscompress.io import storage
+    from wscompress.recovery.finetune import method_parameters
 
     model = tiny_model("llama")
     compress(model, [stage], tokenizer, {"dataset": "pydoc", "num_samples": 4, "seq_len": 32, "batch_size": 2})

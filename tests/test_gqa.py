@@ -5,9 +5,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import assert_roundtrip, tiny_model
-from wscompress import compress, storage
+from wscompress import compress
 from wscompress.errors import UsageError
+from wscompress.io import storage
+
+from conftest import assert_roundtrip, tiny_model
 
 CALIB = {"dataset": "pydoc", "num_samples": 8, "seq_len": 64, "batch_size": 4, "dtype": "float32"}
 
@@ -158,7 +160,7 @@ def test_o_refit_brings_the_model_closer_to_the_original_on_what_it_was_fitted_o
     """Re-solving o_proj on the merged attention's own contexts (the default) brings the
     logits on the calibration sequences closer to the original's than the merge alone (random
     tiny models have nothing for held-out text to share; the protocol measures that)."""
-    from wscompress import data
+    from wscompress.io import data
 
     calibration = data.calibration_batches(tokenizer, CALIB["dataset"], 8, 64, 4, seed=0)
     errors = {}

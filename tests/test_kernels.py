@@ -10,10 +10,11 @@ import torch
 import torch.nn.functional as F
 
 import wscompress
-from conftest import tiny_model
 from wscompress import kernels
-from wscompress.clustering import cluster
-from wscompress.modeling_wscompress import DECODE_ROWS, KERNELS, PalettizedLinear
+from wscompress.maths.clustering import cluster
+from wscompress.model.modeling_wscompress import DECODE_ROWS, KERNELS, PalettizedLinear
+
+from conftest import tiny_model
 
 CALIB = {"dataset": "pydoc", "num_samples": 4, "seq_len": 32, "batch_size": 2}
 
@@ -101,7 +102,7 @@ def test_resident_bytes_stay_packed(bits):
     """What a palettized layer holds in memory after running: the packed indices (4-bit: the
     stored bytes themselves; 3-bit: re-packed as nibbles for the kernel, its 8-entry table padded
     to 16) and the codebook."""
-    from wscompress.storage import resident_bytes
+    from wscompress.io.storage import resident_bytes
 
     lin = layer(bits, 48, out=48, inp=64)
     with torch.no_grad():
@@ -126,7 +127,7 @@ def test_another_checkout_reuses_the_built_kernels(tmp_path):
     import sys
     from pathlib import Path
 
-    from wscompress.model import cache_dir
+    from wscompress.io.files import cache_dir
 
     libraries = sorted((cache_dir() / "kernels" / kernels._build_folder()).rglob("*.so"))
     built = [p.stat().st_mtime_ns for p in libraries]
@@ -143,14 +144,14 @@ def test_each_cpu_builds_its_own_kernels(monkeypatch):
     """The libraries are compiled for the CPU at hand (-march=native): a CPU with other flags
     (another node sharing the home folder) gets its own build folder, never one whose
     instructions it lacks; the same CPU always finds the same folder (clock readings aside)."""
-    from wscompress import model
+    from wscompress.io import hardware
 
     here = kernels._build_folder()
-    model.cpu_flags.cache_clear()  # read the file again: the same folder
-    assert here == kernels._build_folder() and not {"MHz", "processor", ":"} & model.cpu_flags()
-    monkeypatch.setattr(model, "cpu_flags", lambda: frozenset({"fpu", "sse2", "avx2"}))
+    hardware.cpu_flags.cache_clear()  # read the file again: the same folder
+    assert here == kernels._build_folder() and not {"MHz", "processor", ":"} & hardware.cpu_flags()
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset({"fpu", "sse2", "avx2"}))
     plain = kernels._build_folder()
-    monkeypatch.setattr(model, "cpu_flags", lambda: frozenset({"fpu", "sse2", "avx2", "avx512f", "avx512_bf16"}))
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset({"fpu", "sse2", "avx2", "avx512f", "avx512_bf16"}))
     assert len({here, plain, kernels._build_folder()}) == 3
 
 
@@ -159,7 +160,7 @@ def test_each_cpu_builds_its_own_kernels(monkeypatch):
 @pytest.mark.parametrize("bias", [False, True])
 def test_lowrank_kernel_equals_the_two_matmuls(rows, bias):
     """Odd sizes (rank 13, in 70, out 37) exercise the vector loops' tails and the row remainders."""
-    from wscompress.modeling_wscompress import LowRankLinear
+    from wscompress.model.modeling_wscompress import LowRankLinear
 
     torch.manual_seed(rows)
     lin = LowRankLinear(70, 37, 13, bias=bias)
@@ -197,7 +198,7 @@ import torch.nn.functional as F
 from test_kernels import layer
 from wscompress import kernels
 from wscompress.kernels import lut_triton
-from wscompress.modeling_wscompress import DECODE_ROWS
+from wscompress.model.modeling_wscompress import DECODE_ROWS
 
 import triton
 import triton.language as tl
@@ -273,7 +274,7 @@ def test_a_triton_kernel_that_fails_hands_over_to_the_torch_path(monkeypatch):
 
 
 def test_products_kernel_builds_where_the_cpu_has_avx512_bf16():
-    from wscompress.model import cpu_flags
+    from wscompress.io.hardware import cpu_flags
 
     if (shutil.which("c++") or shutil.which("g++")) and "avx512_bf16" in cpu_flags():
         assert kernels.products() is not None, kernels.calibration_status()
@@ -286,7 +287,7 @@ def test_bfloat16_products_equal_the_blas_on_any_shape(monkeypatch, tokens, dx, 
     """The kernel's Gram matrix (lower triangle) and cross product equal the BLAS's on the
     batch cast to float32 to float32 rounding, for odd token counts (a half-empty last pair)
     and widths that are no multiple of the 32-column blocks or 8-row tiles."""
-    from wscompress import linalg
+    from wscompress.maths import linalg
 
     gen = torch.Generator().manual_seed(tokens)
     x, y = (torch.randn(tokens, dx, generator=gen) + 0.5).bfloat16(), torch.randn(tokens, dy, generator=gen).bfloat16()
@@ -309,7 +310,7 @@ def test_bfloat16_layer_passes_normalise_in_one_pass_as_the_model_does(monkeypat
     equal the module's own to bfloat16 rounding (the sum of squares' order is all that
     differs), the layer's output stays within bfloat16 noise, gradients take the module's own
     path, and the module has its own forward back after the block."""
-    from wscompress.calibrate import computing_in
+    from wscompress.pipeline.layerwise import computing_in
 
     model = tiny_model("llama")
     layer, norm = model.model.layers[0], model.model.layers[0].input_layernorm
@@ -336,7 +337,7 @@ def test_bfloat16_layer_passes_normalise_in_one_pass_as_the_model_does(monkeypat
 def test_an_rmsnorm_of_another_formula_keeps_its_own_forward():
     """Gemma's RMSNorm is named like LLaMA's but scales by ``1 + weight``: the first call's
     comparison catches it and the class runs its own forward from then on."""
-    from wscompress.calibrate import computing_in
+    from wscompress.pipeline.layerwise import computing_in
 
     layer = tiny_model("gemma3").model.layers[0]
     norm = layer.input_layernorm

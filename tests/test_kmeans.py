@@ -8,17 +8,26 @@ import struct
 import numpy as np
 import pytest
 import torch
-from conftest import (REPO, WIKI_TRAIN, final_inputs, first_layers, hidden_state_error, layer_reference_inputs, real_texts,
-                      tiny_model)
 from safetensors import safe_open
 
 import wscompress
-from wscompress import storage
 from wscompress.errors import UsageError
-from wscompress import clustering
-from wscompress.clustering import cluster
-from wscompress.modeling_wscompress import PalettizedLinear
-from wscompress.recipe import load_recipe
+from wscompress.io import storage
+from wscompress.maths import clustering
+from wscompress.maths.clustering import cluster
+from wscompress.model.modeling_wscompress import PalettizedLinear
+from wscompress.recipe.load import load_recipe
+
+from conftest import (
+    REPO,
+    WIKI_TRAIN,
+    final_inputs,
+    first_layers,
+    hidden_state_error,
+    layer_reference_inputs,
+    real_texts,
+    tiny_model,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 # the data-free path: plain k-means, nearest centroids, nothing aside, fp32 codebooks
@@ -206,10 +215,10 @@ def test_report_formula_and_errors():
 
 def test_default_is_one_codebook_per_output_channel():
     """Per-tensor 4-bit destroys real LLMs (SmolLM2: ppl ~6e4 against ~18 per channel)."""
-    from wscompress.methods.dkm import DKMOptions
     from wscompress.methods.kmeans import KMeansConfig
+    from wscompress.recipe.schema import DKMConfig
 
-    assert KMeansConfig().granularity == DKMOptions().granularity == "per_channel"
+    assert KMeansConfig().granularity == DKMConfig().granularity == "per_channel"
     model = tiny_model("llama")
     wscompress.compress(model, [{"method": "kmeans", **FAST, "targets": [r"layers\.0\.self_attn\.q_proj"]}])
     assert model.model.layers[0].self_attn.q_proj.codebook.shape == (64, 16, 1)
@@ -249,7 +258,7 @@ def test_tied_embedding_and_head_are_one_palettized_table(tokenizer, tmp_path, o
     and a dense export gives stock transformers the same model."""
     from transformers import AutoModelForCausalLM
 
-    from wscompress.modeling_wscompress import PalettizedEmbedding
+    from wscompress.model.modeling_wscompress import PalettizedEmbedding
 
     model = tiny_model("llama")  # tied
     stage = {"method": "kmeans", "bits": 4, "targets": ["lm_head", r"layers\.0\.mlp"], "outliers": outliers}
@@ -306,11 +315,11 @@ def test_bad_shapes_refused_before_anything_changes(stage, match):
 
 @pytest.mark.parametrize("path", sorted((REPO / "configs").glob("kmeans*.yaml")) + sorted((REPO / "configs").glob("dkm*.yaml")))
 def test_shipped_recipes_validate(path):
-    from wscompress.methods.dkm import parse_options
+    from wscompress.recovery.dkm import kmeans_stage
 
     recipe = load_recipe(path)
     if recipe.finetune is not None and recipe.finetune.mode == "dkm":
-        assert parse_options(recipe.finetune.dkm).bits in range(1, 9)
+        assert kmeans_stage(recipe.finetune.dkm).bits in range(1, 9)
     else:
         assert recipe.compress[0].method == "kmeans"
 
@@ -361,7 +370,8 @@ def test_refit_palettizes_each_module_on_the_inputs_it_finally_receives(tokenize
     matrix G of the inputs X' the finished model feeds it as its statistics, for the weight that
     best reproduces its target on them: the original module on what it reads in the original
     layer fed the same layer input (layer) or on X' itself (function, which leaves W as it is)."""
-    from wscompress import data, linalg
+    from wscompress.io import data
+    from wscompress.maths import linalg
     from wscompress.methods.kmeans import KMeansConfig, palettize
 
     base, model = tiny_model("llama"), tiny_model("llama")

@@ -6,14 +6,15 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import SENTIMENT, WIKI_TEST, tiny_model
 
 from wscompress import compress
 from wscompress.errors import UsageError
-from wscompress.evaluate.lmeval import run_tasks, shipped_tasks, task_specs
-from wscompress.evaluate.samples import generate_samples
-from wscompress.recipe import load_recipe
+from wscompress.evaluation.lmeval import run_tasks, shipped_tasks, task_specs
+from wscompress.evaluation.samples import generate_samples
+from wscompress.recipe.load import load_recipe
 from wscompress.workflow import step_eval
+
+from conftest import SENTIMENT, WIKI_TEST, tiny_model
 
 TASK = "wscompress_sentiment"
 
@@ -82,7 +83,7 @@ SUMMARY = "wscompress_summarization"
 
 
 def test_rouge_l_of_the_summarization_task():
-    from wscompress.tasks.summarization import process_results
+    from wscompress.evaluation.tasks.summarization import process_results
 
     doc = {"summary": "the bridge will close to cars next spring"}
     assert process_results(doc, [" the bridge will close to cars next spring\n"])["rougeL"] == pytest.approx(1.0)

@@ -1,4 +1,4 @@
-"""Memory handed back to the operating system (wscompress.memory)."""
+"""Memory handed back to the operating system (wscompress.io.memory)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 CHILD = """
 import sys, torch
-from wscompress.memory import return_large_frees
+from wscompress.io.memory import return_large_frees
 if sys.argv[1] == "on":
     return_large_frees()
 big = torch.ones(4 << 20)  # 16 MB: glibc then serves everything below 16 MB from its heap
@@ -92,7 +92,7 @@ def test_file_backed_tells_a_mapped_checkpoint_from_process_memory(tmp_path):
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from wscompress.memory import file_backed
+    from wscompress.io.memory import file_backed
 
     save_file({"w": torch.ones(4096)}, tmp_path / "w.safetensors")
     with safe_open(tmp_path / "w.safetensors", "pt") as f:  # safetensors maps the file

@@ -4,9 +4,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import WIKI_TRAIN, assert_roundtrip, tiny_model
-from wscompress import compress, data, storage
+from wscompress import compress
 from wscompress.errors import UsageError
+from wscompress.io import data, storage
+
+from conftest import WIKI_TRAIN, assert_roundtrip, tiny_model
 
 
 def test_merge_shares_one_averaged_ffn_per_window(tokenizer, tmp_path):

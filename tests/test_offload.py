@@ -11,14 +11,16 @@ import torch
 from safetensors.torch import load_file
 
 import wscompress
-from conftest import tiny_model
-from wscompress import storage
-from wscompress.arch import discover
 from wscompress.errors import UsageError
-from wscompress.model import load_model
-from wscompress.offload import offload_of
-from wscompress.recipe import ModelConfig, load_recipe
+from wscompress.io import storage
+from wscompress.io.checkpoints import load_model
+from wscompress.io.offload import offload_of
+from wscompress.model.arch import discover
+from wscompress.recipe.load import load_recipe
+from wscompress.recipe.schema import ModelConfig
 from wscompress.workflow import apply_stages
+
+from conftest import tiny_model
 
 GOLDEN = Path(__file__).parent / "data" / "pipeline_logits.safetensors"
 GOLDEN_PYTHON = (3, 11)  # made under it: the test tokenizer and the "pydoc" text come from its bundled docs
@@ -98,7 +100,7 @@ def test_disk_offload_compresses_to_the_same_model_one_group_at_a_time(name, on_
 
 
 def test_disk_offload_evaluates_like_memory(tiny_dir):
-    from wscompress.evaluate.perplexity import evaluate_text
+    from wscompress.evaluation.perplexity import evaluate_text
 
     path = str(tiny_dir("llama"))
     ppl = {mode: evaluate_text(*load_model(ModelConfig(path=path, offload=mode)), "pydoc", 64, max_windows=4)["ppl"]
@@ -107,7 +109,7 @@ def test_disk_offload_evaluates_like_memory(tiny_dir):
 
 
 def test_disk_offload_refuses_what_needs_the_whole_model(on_disk, tmp_path):
-    from wscompress.finetune import finetune
+    from wscompress.recovery.finetune import finetune
 
     model, tok = on_disk
     recipe = load_recipe(data={"compress": [{"method": "merge_drop", "groups": [[1, 2]]}]})

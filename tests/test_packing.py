@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from wscompress.modeling_wscompress import (
+from wscompress.model.modeling_wscompress import (
     BLOCK,
     entropy,
     huffman_decode,

@@ -6,10 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import WIKI_TEST, tiny_model
-from wscompress import data
 from wscompress.errors import UsageError
-from wscompress.evaluate.perplexity import perplexity
+from wscompress.evaluation.perplexity import perplexity
+from wscompress.io import data
+
+from conftest import WIKI_TEST, tiny_model
 
 
 def hand_ppl(model, ids, length):

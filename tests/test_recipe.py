@@ -4,7 +4,7 @@ import pytest
 import yaml
 
 from wscompress.errors import UsageError
-from wscompress.recipe import apply_override, load_recipe
+from wscompress.recipe.load import apply_override, load_recipe
 
 
 def write(tmp_path, data, name="r.yaml"):

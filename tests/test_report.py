@@ -5,14 +5,15 @@ from __future__ import annotations
 import csv
 
 import pytest
-from conftest import WIKI_TEST
 from typer.testing import CliRunner
 
 from wscompress.cli import app
-from wscompress.compare import compare
 from wscompress.errors import UsageError
-from wscompress.recipe import load_recipe
+from wscompress.evaluation.compare import compare
+from wscompress.recipe.load import load_recipe
 from wscompress.workflow import step_compress, step_eval
+
+from conftest import WIKI_TEST
 
 
 @pytest.fixture(scope="module")

@@ -3,12 +3,13 @@
 import pytest
 import torch
 
+from wscompress.evaluation.perplexity import perplexity
+from wscompress.io import data
+from wscompress.io.checkpoints import load_model
+from wscompress.model.arch import discover
+from wscompress.recipe.schema import ModelConfig
+
 from conftest import WIKI_TEST
-from wscompress import data
-from wscompress.arch import discover
-from wscompress.evaluate.perplexity import perplexity
-from wscompress.model import load_model
-from wscompress.recipe import ModelConfig
 
 pytestmark = pytest.mark.slow
 

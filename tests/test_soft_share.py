@@ -6,18 +6,21 @@ import pytest
 import torch
 from torch import nn
 
+from wscompress import compress
+from wscompress.errors import UsageError
+from wscompress.io import data
+from wscompress.maths.linalg import low_rank
+from wscompress.methods import METHODS
+from wscompress.methods._sharing import aligned_weights, alignment, ffn_names
+from wscompress.methods.soft_share import shared_plus_deltas
+from wscompress.model.arch import dims_of, discover, set_module
+from wscompress.model.modeling_wscompress import LowRankDeltaLinear
+from wscompress.pipeline import calibration
+from wscompress.recipe.load import load_recipe
+from wscompress.recovery.finetune import finetune
+
 from conftest import WIKI_TRAIN, assert_roundtrip, hidden_state_error, tiny_model
 from test_cross_layer import AttentionOnly
-from wscompress import calibrate, compress, data
-from wscompress.arch import dims_of, discover, set_module
-from wscompress.errors import UsageError
-from wscompress.finetune import finetune
-from wscompress.methods import METHODS
-from wscompress.linalg import low_rank
-from wscompress.methods.soft_share import shared_plus_deltas
-from wscompress.modeling_wscompress import LowRankDeltaLinear
-from wscompress.sharing import aligned_weights, alignment, ffn_names
-from wscompress.recipe import load_recipe
 
 
 class Calibration:
@@ -32,7 +35,7 @@ class Calibration:
         return self.batches
 
     def stats(self, model, names, sensitivity_samples=0):
-        return calibrate.collect_grams(model, self.batches, names, sensitivity_samples=sensitivity_samples)
+        return calibration.collect_grams(model, self.batches, names, sensitivity_samples=sensitivity_samples)
 
     def dtype(self, model):
         return None  # the model's own
@@ -78,7 +81,7 @@ def test_sampled_activations_align_a_permuted_copy_of_a_layer(tokenizer, dtype):
     the sampled activations of both layers must be of the same tokens for the alignment to
     find the shuffle, also from a bfloat16 pass (the calibration dtype), which leaves the
     model's float32 weights as they were."""
-    from wscompress.sharing import sample_inputs
+    from wscompress.methods._sharing import sample_inputs
 
     model = tiny_model("llama")
     arch = discover(model)
@@ -173,9 +176,9 @@ def test_sampled_search_picks_the_exact_searchs_window_on_smollm2(smollm2):
     inputs; on the real model it picks the window that full calibration NLL picks."""
     import copy
 
+    from wscompress.methods._sharing import sample_inputs
     from wscompress.methods.merge_drop import drop_layers
     from wscompress.methods.soft_share import Planner, place
-    from wscompress.sharing import sample_inputs
 
     model, tok = smollm2
     model = copy.deepcopy(model)
@@ -283,9 +286,9 @@ def test_search_scores_each_window_after_its_refit(tokenizer):
     the calibration sequences after the scored ones, from their cached inputs, before scoring:
     each score equals the sampled NLL of that window built and refit from scratch, which is
     not the unrefit window's."""
-    from wscompress.calibrate import layerwise
+    from wscompress.methods._sharing import sample_inputs
     from wscompress.methods.soft_share import Planner, by_layer, place, refit_down_projections, sampled_nll
-    from wscompress.sharing import sample_inputs
+    from wscompress.pipeline.layerwise import layerwise
 
     model, ctx = tiny_model("llama", layers=5), Calibration(tokenizer)
     row = soft_share(model, tokenizer, window=2, rank=2, search_samples=2, search_fit_samples=2, refit=False)

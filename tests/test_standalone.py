@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from conftest import REPO
 
-from wscompress import data
 from wscompress.errors import UsageError
-from wscompress.recipe import load_recipe
+from wscompress.io import data
+from wscompress.recipe.load import load_recipe
+
+from conftest import REPO
 
 BESIDE = "/".join(["..", "shared"])  # spelled so that this file does not name it itself
 

@@ -6,12 +6,13 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from conftest import tiny_model
-from wscompress import storage
-from wscompress.arch import set_module
 from wscompress.errors import UsageError
-from wscompress.model import load_model
-from wscompress.recipe import ModelConfig
+from wscompress.io import files, storage
+from wscompress.io.checkpoints import load_model
+from wscompress.model.arch import set_module
+from wscompress.recipe.schema import ModelConfig
+
+from conftest import tiny_model
 
 
 def share_ffn(model):
@@ -83,7 +84,7 @@ def test_save_is_atomic(tmp_path, tokenizer):
     model = tiny_model("llama")
     storage.save(model, tokenizer, tmp_path / "m")
     with pytest.raises(RuntimeError):
-        with storage.atomic_dir(tmp_path / "m") as tmp:
+        with files.atomic_dir(tmp_path / "m") as tmp:
             (tmp / "partial").write_text("x")
             raise RuntimeError("crash mid-write")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]  # old output intact, no temp left
@@ -138,8 +139,8 @@ def test_gpt2_export_after_every_method_loads_in_stock_transformers(method, tmp_
     from transformers import AutoModelForCausalLM
 
     import wscompress
-    from wscompress.finetune import finetune
-    from wscompress.recipe import load_recipe
+    from wscompress.recipe.load import load_recipe
+    from wscompress.recovery.finetune import finetune
 
     model = tiny_model("gpt2")
     wscompress.compress(model, GPT2_STAGES[method], tokenizer,
@@ -164,8 +165,8 @@ def test_atomic_replace_never_leaves_neither(tmp_path, monkeypatch, exchange):
     target.mkdir()
     (target / "old").write_text("old")
     if not exchange:
-        monkeypatch.setattr(storage, "_exchange", lambda a, b: False)
-    with storage.atomic_dir(target) as tmp:
+        monkeypatch.setattr(files, "_exchange", lambda a, b: False)
+    with files.atomic_dir(target) as tmp:
         (tmp / "new").write_text("new")
     assert sorted(p.name for p in target.iterdir()) == ["new"] and sorted(p.name for p in tmp_path.iterdir()) == ["m"]
     if exchange:
@@ -178,6 +179,6 @@ def test_atomic_replace_never_leaves_neither(tmp_path, monkeypatch, exchange):
         return real(self, dest)
     monkeypatch.setattr(type(target), "rename", failing)
     with pytest.raises(OSError, match="disk trouble"):
-        with storage.atomic_dir(target) as tmp:
+        with files.atomic_dir(target) as tmp:
             (tmp / "newer").write_text("x")
     assert sorted(p.name for p in target.iterdir()) == ["new"] and sorted(p.name for p in tmp_path.iterdir()) == ["m"]

@@ -6,11 +6,12 @@ import pytest
 import torch
 
 import wscompress
-from conftest import WIKI_TEST, tiny_model
-from wscompress import data, storage
 from wscompress.errors import UsageError
-from wscompress.linalg import low_rank, rank_for_ratio, refit_coefficients, truncation_by_iteration, whitening
-from wscompress.modeling_wscompress import LowRankLinear
+from wscompress.io import data, storage
+from wscompress.maths.linalg import low_rank, rank_for_ratio, refit_coefficients, truncation_by_iteration, whitening
+from wscompress.model.modeling_wscompress import LowRankLinear
+
+from conftest import WIKI_TEST, tiny_model
 
 CALIB = {"dataset": "pydoc", "num_samples": 8, "seq_len": 64, "batch_size": 4, "dtype": "float32"}  # exact float32 references
 IDS = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(1))
@@ -165,7 +166,7 @@ def test_svd_after_cross_layer_keeps_the_layers_shared(tmp_path, tokenizer):
 def test_shared_module_is_whitened_on_all_its_uses(tokenizer):
     """After cross_layer, the shared up_proj of layers 0 and 1 is whitened on the Gram matrix
     of both layers' inputs to it, not only the first layer's."""
-    from wscompress import data
+    from wscompress.io import data
 
     model = tiny_model("llama")
     wscompress.compress(model, [{"method": "cross_layer", "what": "ffn", "group_size": 2, "init": "mean", "refit": False}],
@@ -209,7 +210,7 @@ def test_refit_ridge_pulls_toward_the_prior():
 
 @pytest.mark.parametrize("width", [24, 1100])
 def test_gram_by_symmetric_update_equals_the_full_product(width):
-    from wscompress.linalg import gram
+    from wscompress.maths.linalg import gram
 
     x = torch.randn(300, width, dtype=torch.float32)
     ref = x.double().T @ x.double()
@@ -223,7 +224,7 @@ def test_gram_by_symmetric_update_equals_the_full_product(width):
 def test_sixteen_bit_batches_are_summed_to_float64_precision(dtype):
     """A 16-bit batch's products are formed in float32 (they are exact there), then summed in
     float64: the Gram matrix and cross products of the 16-bit values within ~1e-6 of float64's."""
-    from wscompress.linalg import add_gram, add_product, product_dtype, symmetrize
+    from wscompress.maths.linalg import add_gram, add_product, product_dtype, symmetrize
 
     gen = torch.Generator().manual_seed(0)
     x, y = (3 * torch.randn(2, 4096, 96, generator=gen)).to(dtype), torch.randn(2, 4096, 40, generator=gen).to(dtype)
@@ -251,7 +252,7 @@ def test_factors_are_balanced():
 def test_refit_normal_equations_agree_by_either_route(through_outputs):
     """The refit's normal equations summed through the input's Gram matrices or through each
     module's outputs (the cheaper route for a wide input) give the least-squares coefficients."""
-    from wscompress.compensate import _Normals
+    from wscompress.pipeline.refit import _Normals
 
     torch.manual_seed(0)
     x, w, module = torch.randn(300, 40), torch.randn(12, 40), LowRankLinear(40, 12, 5)
@@ -274,7 +275,7 @@ def test_refit_normal_equations_agree_by_either_route(through_outputs):
 def test_bfloat16_refit_solves_with_the_model_s_own_weights():
     """In a bfloat16 pass the activations are bfloat16, but the Gram route's solve uses the
     weight and basis as the model holds them (float32), not their bfloat16 roundings."""
-    from wscompress.compensate import _Normals
+    from wscompress.pipeline.refit import _Normals
 
     torch.manual_seed(0)
     x, w, module = torch.randn(400, 64).bfloat16(), torch.randn(48, 64), LowRankLinear(64, 48, 40)

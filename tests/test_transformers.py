@@ -13,11 +13,13 @@ import textwrap
 
 import pytest
 import torch
-from conftest import REPO, tiny_model
 from safetensors.torch import load_file, save_file
 
 import wscompress
-from wscompress import modeling_wscompress, storage
+from wscompress.io import storage
+from wscompress.model import modeling_wscompress
+
+from conftest import REPO, tiny_model
 
 CALIBRATION = {"dataset": "pydoc", "num_samples": 8, "seq_len": 64, "batch_size": 4}
 # every compressed form: (tiny model, stages)
@@ -132,7 +134,7 @@ def test_folder_holds_the_compressed_weights_and_its_code(folders):
     config = json.loads((folder / "config.json").read_text())
     assert config["model_type"] == "wscompress" and config["auto_map"]["AutoModelForCausalLM"].startswith("modeling_wscompress.")
     assert config["base_config"]["model_type"] == "llama"
-    assert (folder / "modeling_wscompress.py").read_bytes() == (REPO / "wscompress" / "modeling_wscompress.py").read_bytes()
+    assert (folder / "modeling_wscompress.py").read_bytes() == (REPO / "wscompress" / "model" / "modeling_wscompress.py").read_bytes()
     keys = load_file(folder / storage.WEIGHTS).keys()
     assert not any(k.endswith("q_proj.weight") for k in keys)  # no dense projection in the file
     assert sum(k.endswith("q_proj.basis.codebook") for k in keys) == 2  # 4 layers in groups of 2: each basis once
@@ -142,7 +144,7 @@ def test_the_travelling_code_imports_nothing_of_wscompress():
     """transformers checks a remote module's imports before running it: only torch, transformers, numpy."""
     from transformers.dynamic_module_utils import get_imports
 
-    packages = set(get_imports(REPO / "wscompress" / "modeling_wscompress.py")) - set(sys.stdlib_module_names)
+    packages = set(get_imports(REPO / "wscompress" / "model" / "modeling_wscompress.py")) - set(sys.stdlib_module_names)
     assert packages == {"torch", "transformers", "numpy"}
 
 

@@ -8,7 +8,7 @@ __version__ = "0.1.0"
 
 import sys as _sys  # noqa: E402
 
-from . import memory as _memory  # noqa: E402
+from .io import memory as _memory  # noqa: E402
 
 if "torch" not in _sys.modules:  # wscompress loads torch (its CLI, a script of its own): set the process up for it
     _memory.return_large_frees()
@@ -16,7 +16,7 @@ if "torch" not in _sys.modules:  # wscompress loads torch (its CLI, a script of 
     _memory.idle_blas_threads()
 
 from . import kernels  # noqa: E402,F401  (registers the kernels with the compressed layers)
-from .modeling_wscompress import register as _register  # noqa: E402
+from .model.modeling_wscompress import register as _register  # noqa: E402
 
 _register()
 
@@ -25,8 +25,8 @@ def load(path: str, dtype=None, device: str = "auto"):
     """Load a checkpoint written by ``wscompress compress`` (or any HF folder): (model, tokenizer),
     in ``dtype`` (a torch dtype or its name; None: as stored) on ``device`` (auto: the GPU where
     there is one, as in recipes)."""
-    from .model import load_model
-    from .recipe import ModelConfig
+    from .io.checkpoints import load_model
+    from .recipe.schema import ModelConfig
 
     dtype = "auto" if dtype is None else str(dtype).removeprefix("torch.")
     return load_model(ModelConfig(path=str(path), dtype=dtype, device=device))
@@ -34,7 +34,7 @@ def load(path: str, dtype=None, device: str = "auto"):
 
 def compress(model, stages: list, tokenizer=None, calibration: dict | None = None) -> list[dict]:
     """Apply recipe stages (dicts like ``{"method": "svd", "ratio": 0.2}``) to a model in place."""
-    from .recipe import load_recipe
+    from .recipe.load import load_recipe
     from .workflow import apply_stages
 
     recipe = load_recipe(data={"compress": stages, "calibration": calibration or {}})

@@ -10,8 +10,8 @@ from typing import Callable, List, Optional
 
 import typer
 
-from . import ui
 from .errors import UsageError
+from .io import ui
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Make HuggingFace language models smaller by weight sharing and weight clustering.")
@@ -23,7 +23,7 @@ QuietOpt = typer.Option(False, "--quiet", "-q", help="No progress bars or logs (
 
 
 def _recipe(path: Path, overrides: Optional[List[str]], output: Optional[Path]):
-    from .recipe import load_recipe
+    from .recipe.load import load_recipe
 
     sets = list(overrides or []) + ([f"output.dir={output}"] if output else [])
     return load_recipe(path, sets)
@@ -32,7 +32,7 @@ def _recipe(path: Path, overrides: Optional[List[str]], output: Optional[Path]):
 def _do(quiet: bool, fn: Callable[[], object], processes: bool = False) -> None:
     """Run a step; user errors print one clear message and exit with code 2. With
     ``processes`` the step may run in several processes (torchrun / accelerate launch)."""
-    from . import distributed
+    from .io import distributed
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if distributed.launched() and not processes:
@@ -93,7 +93,7 @@ def eval_(recipe: Path = RecipeArg, set: Optional[List[str]] = SetOpt, output: O
 @app.command()
 def bench(recipe: Path = RecipeArg, set: Optional[List[str]] = SetOpt, output: Optional[Path] = OutOpt, quiet: bool = QuietOpt):
     """Latency, throughput, memory and size of the original vs the compressed model."""
-    from .evaluate.bench import step_bench
+    from .workflow import step_bench
 
     _do(quiet, lambda: step_bench(_recipe(recipe, set, output)))
 
@@ -123,9 +123,9 @@ def export(model: str = typer.Argument(..., help="Compressed checkpoint folder."
     """Write the model in another folder: dense for any tool, or compressed for transformers."""
 
     def go():
-        from . import storage
-        from .model import load_model
-        from .recipe import ModelConfig
+        from .io import storage
+        from .io.checkpoints import load_model
+        from .recipe.schema import ModelConfig
 
         m, tok = load_model(ModelConfig(path=model, dtype="auto", device="cpu"))
         if format is ExportFormat.dense:
@@ -147,7 +147,7 @@ def report(runs: List[Path] = typer.Argument(..., help="Run output directories (
     """Merge several runs into one comparison table (CSV, Markdown) and a perplexity-vs-size plot."""
 
     def go():
-        from .compare import compare
+        from .evaluation.compare import compare
 
         result = compare(runs, out)
         ui.show("comparison", result["rows"])

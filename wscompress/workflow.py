@@ -14,80 +14,15 @@ from typing import Literal
 import torch
 from torch import nn
 
-from . import calibrate, data, distributed, report, storage, ui
 from .errors import UsageError
-from .model import load_model
-from .recipe import ModelConfig, Recipe, recipe_dict
-from .offload import offload_of
-from .stats import INDEX, Stats, fingerprint, scratch_folder
-
-
-class Context:
-    """What a method may ask for besides the model: calibration data and statistics."""
-
-    def __init__(self, recipe: Recipe, tokenizer, workdir: str | Path | None = None):
-        self.recipe, self.tokenizer = recipe, tokenizer
-        self.workdir = workdir  # where statistics computed for one stage go (default: the system's temp folder)
-        self._batches: list[torch.Tensor] | None = None
-        self._dtype: torch.dtype | None = None
-        self.stages_done = 0  # saved statistics describe the model before the first stage only
-
-    def calibration(self) -> list[torch.Tensor]:
-        """Calibration batches (token ids), sampled once per run."""
-        if self._batches is None:
-            c = self.recipe.calibration
-            if self.tokenizer is None:
-                raise UsageError("this method needs calibration data but no tokenizer was given",
-                                 "pass tokenizer= to wscompress.compress or load the model with its tokenizer")
-            self._batches = data.calibration_batches(self.tokenizer, c.dataset, c.num_samples, c.seq_len, c.batch_size,
-                                                     c.seed, c.bos, c.sampling)
-        return self._batches
-
-    def describe(self) -> dict | None:
-        """The calibration data as used (for reports), or None when no stage asked for it."""
-        if self._batches is None:
-            return None
-        c = self.recipe.calibration
-        return {"dataset": c.dataset, "num_samples": c.num_samples, "seq_len": c.seq_len, "sampling": c.sampling,
-                "bos": data.resolve_bos(self.tokenizer, c.bos), "dtype": self._dtype and _name(self._dtype)}
-
-    def dtype(self, model: nn.Module) -> torch.dtype:
-        """What the calibration passes compute in (``calibration.dtype`` resolved for this model,
-        once: a stage that changes the model does not change it)."""
-        if self._dtype is None:
-            self._dtype = calibrate.compute_dtype(self.recipe.calibration.dtype, model)
-        return self._dtype
-
-    def stats_meta(self, model: nn.Module) -> dict:
-        c = self.recipe.calibration
-        return {"model": fingerprint(model), "dataset": c.dataset, "num_samples": c.num_samples,
-                "seq_len": c.seq_len, "seed": c.seed, "sampling": c.sampling,
-                "dtype": _name(self.dtype(model)),
-                "bos": data.resolve_bos(self.tokenizer, c.bos) if self.tokenizer is not None else c.bos}
-
-    def stats(self, model: nn.Module, names: list[str], sensitivity_samples: int = 0) -> Stats:
-        """Input Gram matrices of the named linears and, with ``sensitivity_samples``, their output
-        sensitivities on that many calibration sequences (see ``calibrate``): from
-        ``<output>/calibration`` when `calibrate` wrote it for this model and data (sensitivities
-        for another sample count are recomputed), else computed now (always after an earlier
-        stage of this run changed the model)."""
-        folder = stats_dir(self.recipe)
-        if (folder / INDEX).is_file() and self.stages_done == 0:
-            stats = Stats(folder, self.stats_meta(model))
-            if all(n in stats.owner for n in names):
-                if sensitivity_samples and (stats.meta.get("sensitivity_samples") != sensitivity_samples
-                                            or not all(n in stats.sensitivity for n in names)):
-                    stats.sensitivity = calibrate.output_sensitivity(model, names, self.calibration(), sensitivity_samples,
-                                                                     self.dtype(model))
-                return stats
-            ui.log(f"[yellow]{folder} lacks some targets; recomputing statistics[/]")
-        return calibrate.collect_grams(model, self.calibration(), names, scratch_folder(self.workdir),
-                                       sensitivity_samples=sensitivity_samples, scratch=True, dtype=self.dtype(model))
-
-
-def _name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
+from .evaluation import bench, report
+from .io import data, distributed, storage, ui
+from .io.checkpoints import load_model
+from .io.offload import offload_of
+from .pipeline import calibration
+from .pipeline.context import Context
+from .recipe.load import recipe_dict
+from .recipe.schema import BenchConfig, ModelConfig, Recipe
 
 Section = Literal["calibration", "finetune", "eval"]
 
@@ -107,7 +42,7 @@ def preflight(recipe: Recipe, sections: set[Section]) -> None:
         for source in recipe.eval.perplexity:
             data.check_source(source, "eval.perplexity")
     if "eval" in sections and (recipe.eval.tasks or recipe.eval.task_data):
-        from .evaluate.lmeval import task_specs
+        from .evaluation.lmeval import task_specs
 
         task_specs(recipe.eval.tasks, recipe.eval.task_data)
 
@@ -124,10 +59,9 @@ def apply_stages(model: nn.Module, tokenizer, recipe: Recipe, workdir: str | Pat
     """Run every compress stage in order on ``model`` (in place); one report row per stage.
     Statistics a stage computes for itself go to a scratch folder in ``workdir``."""
     from .methods import METHODS
+    from .model.modeling_wscompress import adopt
 
-    from .modeling_wscompress import adopt
-
-    ctx = Context(recipe, tokenizer, workdir)
+    ctx = Context(recipe.calibration, tokenizer, workdir, stats_dir(recipe))
     rows = []
     offload = offload_of(model)
     for i, stage in enumerate(recipe.compress):
@@ -154,7 +88,7 @@ def savable(model: nn.Module) -> bool:
     architecture transformers ships (the folder names it for loading)."""
     from transformers import PreTrainedModel
 
-    from .modeling_wscompress import family
+    from .model.modeling_wscompress import family
 
     if not isinstance(model, PreTrainedModel):
         return False
@@ -168,18 +102,18 @@ def savable(model: nn.Module) -> bool:
 def step_calibrate(recipe: Recipe) -> dict:
     """Collect input Gram matrices of every decoder-layer linear (and the output sensitivities
     when a stage allocates ranks) and save them for `compress`."""
-    from .arch import discover
+    from .model.arch import discover
 
     preflight(recipe, {"calibration"})
     model, tokenizer = load_model(recipe.model)
     arch = discover(model)
     names = [n for i in range(arch.num_layers) for n in arch.projections(i).values()]
-    ctx = Context(recipe, tokenizer)
+    ctx = Context(recipe.calibration, tokenizer, saved=stats_dir(recipe))
     start = time.perf_counter()
     # the stages that allocate ranks also need the output sensitivities: saved alongside
     samples = max((s.sensitivity_samples for s in recipe.compress if getattr(s, "allocates", False)), default=0)
     with distributed.shared_atomic_dir(stats_dir(recipe)) as folder:
-        stats = calibrate.collect_grams(model, ctx.calibration(), names, folder, ctx.stats_meta(model), samples,
+        stats = calibration.collect_grams(model, ctx.calibration(), names, folder, ctx.stats_meta(model), samples,
                                         scratch=False, dtype=ctx.dtype(model))
     out = {"folder": str(stats_dir(recipe)), "calibration": ctx.describe(), "modules": len(stats.owner),
            "gram_matrices": len(stats), "tokens": sum(b.numel() for b in ctx.calibration()),
@@ -212,7 +146,7 @@ def step_compress(recipe: Recipe) -> dict:
 
 
 def step_finetune(recipe: Recipe, resume: bool = False) -> dict:
-    from .finetune import finetune
+    from .recovery.finetune import finetune
 
     if recipe.finetune is None or not recipe.finetune.enabled:
         raise UsageError(f"{recipe.source or 'recipe'}: no finetune section", "add 'finetune:' with e.g. steps: 100")
@@ -238,17 +172,17 @@ def evaluate(model: nn.Module, tokenizer, recipe: Recipe, original: bool = False
     """Perplexity (+ lm-eval tasks, samples) of ``model``; the ``original`` checkpoint's
     perplexities are computed once per model, text and protocol and then read from the cache."""
     e = recipe.eval
-    from .evaluate.perplexity import evaluate_sources
+    from .evaluation.perplexity import evaluate_sources
 
     out = {"perplexity": evaluate_sources(model, tokenizer, e.perplexity, e.context_length, e.stride, e.batch_size,
                                           e.max_windows, e.bos, cache=original),
            **storage.stats(model)}
     if e.tasks:
-        from .evaluate.lmeval import run_tasks
+        from .evaluation.lmeval import run_tasks
 
         out["tasks"] = run_tasks(model, tokenizer, e.tasks, e.limit, e.batch_size, e.task_data, recipe.seed, e.bos)
     if e.prompts:
-        from .evaluate.samples import generate_samples
+        from .evaluation.samples import generate_samples
 
         out["samples"] = generate_samples(model, tokenizer, e.prompts, e.max_new_tokens)
     return out
@@ -296,7 +230,19 @@ def step_run(recipe: Recipe) -> dict:
     if "eval" in recipe.model_fields_set:
         out["eval"] = step_eval(recipe)
     if recipe.bench is not None:
-        from .evaluate.bench import step_bench
-
         out["bench"] = step_bench(recipe)
+    return out
+
+
+def step_bench(recipe: Recipe) -> dict:
+    """Benchmark the recipe's model and, when ``compress`` wrote one, ``<output>/model``."""
+    preflight(recipe, set())
+    cfg = recipe.bench or BenchConfig()
+    models = {"original": recipe.model}
+    if storage.is_compressed(model_path(recipe)):
+        models["compressed"] = recipe.model.model_copy(update={"path": str(model_path(recipe)), "gguf_file": None})
+    out = bench.compare(models, cfg)
+    report.write(recipe.out, "bench", out, recipe_dict(recipe))
+    report.write_model_card(recipe.out)
+    ui.show("bench", out["table"])
     return out

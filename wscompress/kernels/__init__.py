@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import modeling_wscompress
-from ..modeling_wscompress import DECODE_ROWS, SparseRows
+from ..model import modeling_wscompress
+from ..model.modeling_wscompress import DECODE_ROWS, SparseRows
 
 HERE = Path(__file__).parent
 
@@ -42,7 +42,8 @@ def _disabled() -> bool:
 def _load(source: str) -> tuple[ModuleType | None, str]:
     if _disabled():
         return None, "disabled by WSCOMPRESS_KERNELS=0"
-    from ..model import cache_dir, cpu_flags
+    from ..io.files import cache_dir
+    from ..io.hardware import cpu_flags
 
     build = cache_dir() / "kernels" / _build_folder() / source
     build.mkdir(parents=True, exist_ok=True)
@@ -64,7 +65,7 @@ def _build_folder() -> str:
     folder rebuilt each other's library, ~27 s, whenever they took turns; and the libraries are
     built for the CPU at hand (``-march=native``), so one built on an AVX-512 machine would
     crash with an illegal instruction on another sharing the cache (a cluster's home folder)."""
-    from ..model import cpu_flags
+    from ..io.hardware import cpu_flags
 
     where = hashlib.sha1(str(Path(torch.__file__).resolve().parent).encode()).hexdigest()[:10]
     cpu = hashlib.sha1(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:8]
@@ -101,7 +102,7 @@ def lowrank() -> ModuleType | None:
 
 def _bf16(source: str) -> tuple[ModuleType | None, str]:
     """A kernel that needs AVX-512 BF16, loaded (and built) only on a CPU that has it."""
-    from ..model import cpu_flags
+    from ..io.hardware import cpu_flags
 
     return _load(source) if "avx512_bf16" in cpu_flags() else (None, "this CPU has no AVX-512 BF16")
 

@@ -1,5 +1,5 @@
 // RMSNorm of bfloat16 activations in one pass, for calibration's bfloat16 layer passes
-// (wscompress.calibrate.computing_in).
+// (wscompress.pipeline.layerwise.computing_in).
 //
 // LLaMA-style RMSNorm (transformers' LlamaRMSNorm and its copies) casts the input to float32,
 // squares, averages, takes rsqrt, multiplies, casts back and multiplies by the weight: seven

@@ -1,5 +1,5 @@
 // C += Xᵀ·Y of a bfloat16 batch into a float64 sum, for calibration's Gram matrices and cross
-// products (wscompress.linalg.add_gram / add_product).
+// products (wscompress.maths.linalg.add_gram / add_product).
 //
 // A product of two bfloat16 numbers is exact in float32, so a float32 sum of them is what the
 // BLAS gives on the batch cast to float32; but the BLAS (OpenBLAS's ssyrk, MKL's sgemm) then works

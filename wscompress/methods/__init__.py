@@ -6,7 +6,7 @@ subclass whose ``method`` field is a ``Literal`` of its name) and one entry poin
 returns goes into the compression report. Modules here are imported automatically.
 
 Methods work one decoder-layer group at a time: they read weights inside
-``offload_of(model).onload(group)`` (or ``groups``/``calibrate.layerwise``) and statistics from
+``offload_of(model).onload(group)`` (or ``groups``/``pipeline.layerwise``) and statistics from
 ``ctx.stats`` (on disk, one matrix at a time), so memory follows one group, not the model.
 """
 
@@ -17,7 +17,7 @@ import pkgutil
 from dataclasses import dataclass
 from typing import Callable
 
-from ..recipe import StageConfig
+from ..recipe.schema import StageConfig
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ METHODS: dict[str, Method] = {}
 
 def register(config: type[StageConfig], whole_model: bool = False) -> Callable:
     """Register ``apply`` for ``config``. A method that works one decoder-layer group at a time
-    goes through ``offload.onload``/``calibrate.layerwise``; one that needs all layers at once
+    goes through ``offload.onload``/``pipeline.layerwise``; one that needs all layers at once
     (sharing between any layers, removing layers) says ``whole_model=True``."""
     name = config.model_fields["method"].default
     assert isinstance(name, str), f"{config.__name__}.method needs a Literal default"

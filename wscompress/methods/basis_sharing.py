@@ -27,14 +27,14 @@ import torch
 from pydantic import Field, model_validator
 from torch import nn
 
-from ..allocation import Unit, allocate, spectrum
-from ..arch import Arch, dims_of, discover, get_module, require_unshared, set_module, weight_of
-from ..compensate import refit_pass
-from ..data import first_samples
 from ..errors import UsageError
-from ..linalg import low_rank, refit_coefficients
-from ..modeling_wscompress import SharedBasisLinear
-from ..offload import offload_of
+from ..io.data import first_samples
+from ..io.offload import offload_of
+from ..maths.allocation import Unit, allocate, spectrum
+from ..maths.linalg import low_rank, refit_coefficients
+from ..model.arch import Arch, dims_of, discover, get_module, require_unshared, set_module, weight_of
+from ..model.modeling_wscompress import SharedBasisLinear
+from ..pipeline.refit import refit_pass
 from . import register
 from .svd import LowRankConfig, LowRankLinear, decoder_projections
 

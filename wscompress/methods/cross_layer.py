@@ -8,7 +8,7 @@ changes the members' outputs on the calibration data the least).
 ``fit`` first aligns the members' FFN neurons to the group's first layer (their order is
 arbitrary in each layer: averaging unaligned neurons averages unrelated ones), then solves
 each shared linear's weight for what it computes on every member's own calibration inputs
-(``sharing.fitted_modules``). ``refit`` then takes the layers in order and re-solves the
+(``_sharing.fitted_modules``). ``refit`` then takes the layers in order and re-solves the
 shared linears that end a block (o_proj, down_proj) by least squares, so that each member
 reproduces its original block's output on the inputs the shared layers before it feed it.
 """
@@ -22,14 +22,25 @@ import torch
 from pydantic import Field, model_validator
 from torch import nn
 
-from ..arch import Arch, discover, distinct, get_module, is_linear, set_module, weight_of
-from ..calibrate import layerwise, run_layer
-from ..compensate import LeastSquares, module_inputs, originals_in
 from ..errors import UsageError
-from ..recipe import StageConfig
-from ..sharing import (FIT_RIDGE, Part, alignment, check_groups, consecutive_groups, ffn_names, local,
-                       part_leaves, permute_ffn, sample_inputs, share_group)
+from ..model.arch import Arch, discover, distinct, get_module, is_linear, set_module, weight_of
+from ..pipeline.layerwise import layerwise, run_layer
+from ..pipeline.refit import LeastSquares, module_inputs, originals_in
+from ..recipe.schema import StageConfig
 from . import register
+from ._sharing import (
+    FIT_RIDGE,
+    Part,
+    alignment,
+    check_groups,
+    consecutive_groups,
+    ffn_names,
+    local,
+    part_leaves,
+    permute_ffn,
+    sample_inputs,
+    share_group,
+)
 
 ENDS = ("o", "down")  # the roles whose output is their block's output, in forward order
 
@@ -114,7 +125,7 @@ def fit_init(model: nn.Module, arch: Arch, groups: list[list[int]], part: Part,
 def refit_ends(model: nn.Module, arch: Arch, groups: list[list[int]], originals: dict[int, dict[str, nn.Module]],
                ctx) -> list[str]:
     """Re-solve the shared linears ending a block (``ENDS``), layers in order: each member's
-    original module is the target on the same layer input (``compensate.LeastSquares``,
+    original module is the target on the same layer input (``pipeline.refit.LeastSquares``,
     summed over the members so far, toward the shared weight it started from). Returns the
     refit modules' first names."""
     where = {i for g in groups for i in g}

@@ -13,10 +13,10 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from ..arch import discover, set_module
 from ..errors import UsageError
-from ..modeling_wscompress import FactorizedEmbedding, FactorizedLMHead
-from ..recipe import StageConfig
+from ..model.arch import discover, set_module
+from ..model.modeling_wscompress import FactorizedEmbedding, FactorizedLMHead
+from ..recipe.schema import StageConfig
 from . import register
 
 

@@ -36,14 +36,13 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from ..arch import Arch, discover, distinct, get_module, replace_everywhere, require_unshared, weight_of
-from ..calibrate import layerwise
-from ..compensate import LeastSquares, module_inputs
 from ..errors import UsageError
-from ..recipe import StageConfig
+from ..model.arch import Arch, discover, distinct, get_module, replace_everywhere, require_unshared, weight_of
+from ..pipeline.layerwise import layerwise
+from ..pipeline.refit import LeastSquares, module_inputs
+from ..recipe.schema import StageConfig
 from . import register
 
-INTERLEAVED_ROPE = {"cohere", "cohere2", "glm", "glm4", "chatglm"}  # RoPE on pairs (2j, 2j + 1): keys averaged
 RIDGE = 0.1  # o_proj's refit: a whole matrix fitted on calibration data overfits without it (see kmeans' refit)
 
 
@@ -143,12 +142,11 @@ def merge_keys(wk: torch.Tensor, bk: torch.Tensor | None, wq: torch.Tensor, bq: 
     return new_k, new_bk, new_q, new_bq, kept
 
 
-def _keys_by_pca(model: nn.Module, arch: Arch) -> str | None:
+def _keys_by_pca(arch: Arch) -> str | None:
     """Why keys cannot take the RoPE-exact merge here (None: they can)."""
-    attn = get_module(model, arch.submodule_name(0, "attn"))
-    if hasattr(attn, "k_norm") or hasattr(attn, "q_norm"):
+    if arch.qk_norm:
         return "a per-head norm on queries and keys"
-    if (getattr(model.config, "base_model_type", None) or model.config.model_type) in INTERLEAVED_ROPE or (getattr(model.config, "partial_rotary_factor", None) or 1.0) != 1.0:
+    if not arch.rope_in_halves:
         return "RoPE on other pairs than whole heads in halves"
     return None
 
@@ -191,7 +189,7 @@ def set_kv_heads(model: nn.Module, arch: Arch, i: int, groups: int) -> None:
 
 @torch.no_grad()
 def refit_o(o: nn.Module, original: nn.Module, merged: list[torch.Tensor], reference: list[torch.Tensor]) -> None:
-    """o's weight re-solved in place (``compensate.LeastSquares``, λ = RIDGE, toward the folded
+    """o's weight re-solved in place (``pipeline.refit.LeastSquares``, λ = RIDGE, toward the folded
     weight): ``merged`` the merged attention's contexts, ``reference`` the original's on the
     same layer inputs, its target the original o_proj."""
     fit = LeastSquares(o.weight, RIDGE)
@@ -230,7 +228,7 @@ def apply(model, cfg: GQAConfig, ctx) -> dict:
         # (protocol, 3 -> 1 kv heads, wiki.test / brown: without refit 98.89 / 175.11 against
         # 120.35 / 190.73; with it 56.19 / 120.11 against 55.68 / 121.61, for a Gram less a layer).
         stats = ctx.stats(model, [roles["k"] for roles in projections])
-        why_not, dtype, kept = _keys_by_pca(model, arch), ctx.dtype(model), []
+        why_not, dtype, kept = _keys_by_pca(arch), ctx.dtype(model), []
         if not cfg.refit:
             kept = [merge_layer(model, arch, i, stats.of(roles["k"]), cfg.groups, why_not is None)
                     for i, roles in enumerate(projections)]

@@ -28,17 +28,17 @@ import torch
 from pydantic import Field, model_validator
 from torch import nn
 
-from .. import ui
-from ..arch import LINEAR_TYPES, Conv1D, dims_of, discover, distinct, match_modules, replace_everywhere, weight_of
-from ..clustering import Init, assign, cluster
-from ..compensate import Target, fit_pass
-from ..data import first_samples
 from ..errors import UsageError
-from ..linalg import add_gram, add_product, solve_coefficients, symmetrize
-from ..modeling_wscompress import CodebookDtype, PalettizedEmbedding, PalettizedLinear, entropy
-from ..offload import offload_of
-from ..recipe import StageConfig
-from ..stats import SharedGrams
+from ..io import ui
+from ..io.data import first_samples
+from ..io.offload import offload_of
+from ..maths.clustering import Init, assign, cluster
+from ..maths.linalg import add_gram, add_product, solve_coefficients, symmetrize
+from ..model.arch import LINEAR_TYPES, Conv1D, dims_of, discover, distinct, match_modules, replace_everywhere, weight_of
+from ..model.modeling_wscompress import CodebookDtype, PalettizedEmbedding, PalettizedLinear, entropy
+from ..pipeline.refit import Target, fit_pass
+from ..pipeline.stats import SharedGrams
+from ..recipe.schema import StageConfig
 from . import register
 
 
@@ -61,7 +61,7 @@ class KMeansConfig(StageConfig):
                                                    "onto the next ones through the inverse Gram matrix (GPTQ)")
     damp: float = Field(0.01, gt=0, description="error feedback: Gram dampening, relative to its mean diagonal")
     refit: bool = Field(True, description="palettize layer by layer on the inputs the compressed model itself feeds "
-                                          "each module, fitted to refit_target (error compensation, see compensate.py)")
+                                          "each module, fitted to refit_target (error compensation, see pipeline/refit.py)")
     refit_target: Target = Field("layer", description="refit: what each module's output is fitted to: the original "
                                  "layer's, fed the same layer input (layer), the original module on its compressed "
                                  "inputs (function, GPTQ's sequential mode) or the original model's (model)")
@@ -187,7 +187,7 @@ def summarize(rows: list[dict], bits: int) -> dict:
 
 
 class _Palettize:
-    """A stage of ``compensate.fit_pass`` (``refit``): the modules reading one input, palettized
+    """A stage of ``pipeline.refit.fit_pass`` (``refit``): the modules reading one input, palettized
     once the pass has summed G = X'ᵀX' of what the compressed model feeds them (and, where the
     target reads another input X, H = XᵀX'). Each is clustered, with G as its statistics, for
     the weight that best reproduces its target on those inputs, W̃ = argmin ‖X'·W̃ᵀ − X·Wᵀ‖²

@@ -7,9 +7,9 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from ..arch import discover
-from ..sharing import Part, WindowStage, part_leaves, share_group
+from ..model.arch import discover
 from . import register
+from ._sharing import Part, WindowStage, part_leaves, share_group
 
 
 class MergeConfig(WindowStage):

@@ -30,12 +30,12 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
 
-from ..arch import discover, set_module, weight_of
-from ..calibrate import LayerInputs, layerwise, run_layer
-from ..compensate import LeastSquares
 from ..errors import UsageError
-from ..sharing import FIT_RIDGE, WindowStage, leaves
+from ..model.arch import discover, set_module, weight_of
+from ..pipeline.layerwise import LayerInputs, layerwise, run_layer
+from ..pipeline.refit import LeastSquares
 from . import register
+from ._sharing import FIT_RIDGE, WindowStage, leaves
 
 
 class MergeDropConfig(WindowStage):
@@ -139,11 +139,10 @@ def refit_down(model: nn.Module, windows: list[list[int]], kept: dict[int, nn.Mo
 @register(MergeDropConfig, whole_model=True)
 def apply(model, cfg: MergeDropConfig, ctx) -> dict:
     arch = discover(model)
-    if getattr(model.config, "scale_attn_by_inverse_layer_idx", False):
+    if arch.layer_indexed:
         raise UsageError("merge_drop: this model scales attention by its layer index, which re-indexing would change",
                          "use merge (keeps depth) instead of merge_drop")
-    if cfg.refit and ("down" not in arch.projections(0)
-                      or any("post_feedforward" in name for name, _ in arch.layers[0].named_modules())):
+    if cfg.refit and ("down" not in arch.projections(0) or arch.ffn_output_norm):
         raise UsageError("merge_drop: refit solves for the FFN down projection's output as it is added to the "
                          "residual stream; this model has none, or normalises it first (Gemma)", "use refit: false")
     windows = cfg.windows(arch.num_layers)  # refuses windows that cannot fit before any pass over the data

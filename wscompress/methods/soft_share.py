@@ -14,7 +14,7 @@ started from the one weight that serves every layer best, as cross_layer fits it
 weights); ``mean`` takes the aligned weights' mean. With ``refit``
 the layers are then taken in order and the window's down projections are solved again on what
 the soft-shared layers before each now feed it: each member's least-squares weight for its
-original layer's down output (``compensate.LeastSquares``, as cross_layer refits its shared
+original layer's down output (``pipeline.refit.LeastSquares``, as cross_layer refits its shared
 weights) is the target, and the shared base and the members' deltas are solved together for
 those targets (``shared_plus_deltas``: alternating the base's exact solve and each delta's
 truncation whitened by its inputs, the latter by subspace iteration warm-started from the
@@ -37,20 +37,27 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
 
-from ..arch import Arch, Conv1D, discover, get_module, require_unshared, set_module, weight_of
 from ..errors import UsageError
-from ..linalg import low_rank, ridged, truncation_by_iteration
-from ..model import model_device
-from ..offload import offload_of
-from ..modeling_wscompress import LowRankDeltaLinear
-from ..recipe import StageConfig
-from ..calibrate import LayerInputs, layerwise, start_at
-from ..compensate import LeastSquares, module_inputs, originals_in
-from ..sharing import (FIT_RIDGE, OUTPUT_ROLES, Weights, aligned_weights, alignment, check_groups, ffn_names,
-                       fitted_weight, sample_inputs)
-from ..stats import Stats
+from ..io.offload import model_device, offload_of
+from ..maths.linalg import low_rank, ridged, truncation_by_iteration
+from ..model.arch import Arch, Conv1D, discover, get_module, require_unshared, set_module, weight_of
+from ..model.modeling_wscompress import LowRankDeltaLinear
+from ..pipeline.layerwise import LayerInputs, layerwise, start_at
+from ..pipeline.refit import LeastSquares, module_inputs, originals_in
+from ..pipeline.stats import Stats
+from ..recipe.schema import StageConfig
 from . import register
-
+from ._sharing import (
+    FIT_RIDGE,
+    OUTPUT_ROLES,
+    Weights,
+    aligned_weights,
+    alignment,
+    check_groups,
+    ffn_names,
+    fitted_weight,
+    sample_inputs,
+)
 
 
 class SoftShareConfig(StageConfig):
@@ -207,7 +214,7 @@ def shared_plus_deltas(targets: list[torch.Tensor], metrics: list[torch.Tensor],
 def refit_down_projections(model: nn.Module, arch: Arch, originals: dict[int, dict[str, nn.Module]],
                            stream: Iterator[tuple[int, nn.Module, LayerInputs]], dtype: torch.dtype,
                            iters: int = 20) -> None:
-    """Layers in order (``stream``: ``calibrate.layerwise`` over the calibration batches): each
+    """Layers in order (``stream``: ``pipeline.layerwise`` over the calibration batches): each
     window's down projections (shared base and every delta so far) re-solved for the original
     layers' down outputs on the inputs they now read (``originals``: layer -> name -> the module
     it replaced), by ``shared_plus_deltas`` (``iters`` alternations) over the window's members

@@ -15,15 +15,15 @@ import torch
 from pydantic import Field, model_validator
 from torch import nn
 
-from ..allocation import Unit, allocate, spectrum
-from ..arch import Arch, dims_of, discover, distinct, get_module, match_modules, replace_everywhere, weight_of
-from ..compensate import Target, refit_pass
-from ..data import first_samples
-from ..linalg import low_rank, rank_for_ratio
-from ..modeling_wscompress import LowRankLinear
-from ..offload import offload_of
-from ..recipe import StageConfig
-from ..stats import SharedGrams
+from ..io.data import first_samples
+from ..io.offload import offload_of
+from ..maths.allocation import Unit, allocate, spectrum
+from ..maths.linalg import low_rank, rank_for_ratio
+from ..model.arch import Arch, dims_of, discover, distinct, get_module, match_modules, replace_everywhere, weight_of
+from ..model.modeling_wscompress import LowRankLinear
+from ..pipeline.refit import Target, refit_pass
+from ..pipeline.stats import SharedGrams
+from ..recipe.schema import StageConfig
 from . import register
 
 Allocation = Literal["uniform", "fisher"]
@@ -38,7 +38,7 @@ class LowRankConfig(StageConfig):
                                    "budget, ranks where they cost the model's loss least (see allocation.py)")
     sensitivity_samples: int = Field(16, gt=0, description="fisher: calibration sequences for the sensitivities")
     refit: bool = Field(True, description="re-solve coefficients on the compressed model's own activations (error "
-                                          "compensation, see compensate.py); on by default (not for plain SVD, which "
+                                          "compensation, see pipeline/refit.py); on by default (not for plain SVD, which "
                                           "stays data-free): it won at every ratio on both texts of the protocol")
     refit_samples: int | None = Field(None, gt=0, description="refit: the first N calibration sequences it fits "
                                       "on (default: all)")

@@ -13,9 +13,9 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from ..arch import is_dense_linear
 from ..errors import UsageError
-from ..recipe import StageConfig
+from ..model.arch import is_dense_linear
+from ..recipe.schema import StageConfig
 from . import register
 
 

@@ -1,1 +1,0 @@
-"""Evaluation: perplexity, lm-eval tasks, generation samples, latency benchmarks."""

@@ -1,0 +1,166 @@
+"""Latency and throughput of the original vs the compressed model, in one table with ratios.
+
+Each model is measured in a fresh child process, so its load time is a real load and its peak
+memory (CUDA: peak allocation; CPU: peak resident set of the process) is its own. Prefill runs
+the whole prompt without a KV cache; decode times ``decode_tokens`` greedy steps on the cache
+of a prompt. On CUDA the timings come from CUDA events, on CPU from the wall clock; both after
+``warmup`` untimed runs, reported as the median of ``repeats``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..io import storage, ui
+from ..io.checkpoints import checkpoint_files, load_model, resolve_path
+from ..io.offload import model_device, offload_of
+from ..recipe.schema import BenchConfig, ModelConfig
+from .decode import StaticDecoder
+from .report import peak_memory_mb
+
+
+def weight_files_bytes(cfg: ModelConfig) -> int | None:
+    """Bytes of the checkpoint's weight files (None for a hub id not in the local cache)."""
+    path, gguf = resolve_path(cfg)
+    if gguf:
+        return (Path(path) / gguf).stat().st_size
+    files = checkpoint_files(path, cfg.revision) or list(Path(path).glob("*.bin"))
+    return sum(f.stat().st_size for f in files) if files else None
+
+
+def _elapsed(device: torch.device, fn: Callable[[], None]) -> float:
+    """Seconds one call of ``fn`` takes: CUDA events on a GPU, the wall clock elsewhere."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize(device)
+        return start.elapsed_time(end) / 1000
+    begin = time.perf_counter()
+    fn()
+    return time.perf_counter() - begin
+
+
+def _median_seconds(device: torch.device, run: Callable[[object], None], setup: Callable[[], object], cfg: BenchConfig) -> float:
+    """Median time of ``run(setup())`` over ``repeats`` after ``warmup`` runs (setup is not timed)."""
+    times = []
+    for i in range(cfg.warmup + cfg.repeats):
+        state = setup()
+        seconds = _elapsed(device, lambda s=state: run(s))
+        if i >= cfg.warmup:
+            times.append(seconds)
+    return statistics.median(times)
+
+
+@torch.no_grad()
+def throughput(model: nn.Module, batch: int, seq_len: int, cfg: BenchConfig) -> dict:
+    """Prefill and decode tokens/s of ``model`` for one (batch size, prompt length)."""
+    device = model_device(model)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(0, model.config.vocab_size, (batch, seq_len), generator=gen).to(device)
+
+    def prefill(_):
+        model(input_ids=x, use_cache=False)
+
+    def prompt_cache():
+        out = model(input_ids=x, use_cache=True)
+        return out.past_key_values, out.logits[:, -1:].argmax(-1)
+
+    def decode(state):
+        past, token = state
+        for _ in range(cfg.decode_tokens):
+            out = model(input_ids=token, past_key_values=past, use_cache=True)
+            past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+
+    row = {"prefill_tok_s": batch * seq_len / _median_seconds(device, prefill, lambda: None, cfg)}
+    if cfg.decode_tokens and cfg.cuda_graph and device.type == "cuda":
+        decoder = StaticDecoder(model, x, cfg.decode_tokens, graph=True)
+        steps = lambda _: [decoder.step() for _ in range(cfg.decode_tokens)]  # noqa: E731
+        row["decode_tok_s"] = batch * cfg.decode_tokens / _median_seconds(device, steps, decoder.reset, cfg)
+    elif cfg.decode_tokens:
+        row["decode_tok_s"] = batch * cfg.decode_tokens / _median_seconds(device, decode, prompt_cache, cfg)
+    return row
+
+
+def measure(model_cfg: ModelConfig, cfg: BenchConfig, quiet: bool = False) -> dict:
+    """Load one model and measure it (runs in a child process: see the module docstring)."""
+    ui.set_quiet(quiet)
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    model, _ = load_model(model_cfg)
+    load_s = time.perf_counter() - start
+    with offload_of(model).running():  # offloaded layers are read as they run: the timings include that
+        shapes = {(b, s): throughput(model, b, s, cfg) for b in ui.track(cfg.batch_sizes, "bench batch sizes")
+                  for s in cfg.seq_lens}
+    peak = peak_memory_mb(model_device(model))
+    stats, file_bytes = storage.stats(model), weight_files_bytes(model_cfg)
+    return {"params": stats["params"], "weights_mb": stats["tensor_bytes"] / 2**20,
+            "resident_mb": storage.resident_bytes(model) / 2**20, "kernel": kernel_path(model),
+            "file_mb": None if file_bytes is None else file_bytes / 2**20, "load_s": load_s, "peak_memory_mb": peak,
+            "device": str(model_device(model)), "offload": model_cfg.offload, "shapes": [{"batch": b, "seq_len": s, **r} for (b, s), r in shapes.items()]}
+
+
+def kernel_path(model: nn.Module) -> str:
+    """How the model's compressed layers compute, in words (for the report)."""
+    from .. import kernels
+    from ..model.modeling_wscompress import LowRankLinear, PalettizedLinear
+
+    cpu = model_device(model).type == "cpu"
+    parts = []
+    pal = [m for m in model.modules() if isinstance(m, PalettizedLinear)]
+    if pal and not cpu and kernels.lut_gpu() is not None:
+        parts.append("palettized: LUT kernel (Triton) for decoding, weight materialised for prefill")
+    elif pal and (not cpu or kernels.lut() is None):
+        parts.append(f"palettized: weight materialised per forward (torch; {kernels.status()})")
+    elif pal:
+        lut = sum(m.kernel_layout() is not None for m in pal)
+        parts.append(f"palettized: LUT kernel on {lut}/{len(pal)} layers, the rest torch")
+    if any(isinstance(m, LowRankLinear) for m in model.modules()):
+        fused = cpu and kernels.lowrank() is not None
+        parts.append("low-rank: fused kernel for decoding, BLAS for prefill" if fused else "low-rank: two matmuls (torch)")
+    return "; ".join(parts) + f" [{kernels.status()}]" if parts else "dense matmuls (torch)"
+
+
+def comparison_rows(results: dict[str, dict]) -> list[dict]:
+    """One row per measure, one column per model, plus compressed/original when both exist."""
+    measures = [("params", "params"), ("weights MB", "weights_mb"), ("resident weights MB", "resident_mb"),
+                ("file MB", "file_mb"), ("load s", "load_s"),
+                ("peak memory MB", "peak_memory_mb")]
+    rows = [{"measure": label, **{m: r[key] for m, r in results.items()}} for label, key in measures]
+    first = next(iter(results.values()))
+    for i, shape in enumerate(first["shapes"]):
+        for key, label in (("prefill_tok_s", "prefill tok/s"), ("decode_tok_s", "decode tok/s")):
+            if key in shape:
+                rows.append({"measure": f"{label} b{shape['batch']} s{shape['seq_len']}",
+                             **{m: r["shapes"][i][key] for m, r in results.items()}})
+    if {"original", "compressed"} <= set(results):
+        for row in rows:
+            a, b = row["original"], row["compressed"]
+            row["compressed/original"] = b / a if a and b is not None else None
+    return rows
+
+
+def compare(models: dict[str, ModelConfig], cfg: BenchConfig) -> dict:
+    """Measure each model (label -> its model section) in a fresh interpreter (spawn: fork would
+    inherit this process's memory and CUDA state): the comparison table, the kernel paths and
+    every measurement."""
+    results = {}
+    for label, mcfg in models.items():
+        ui.log(f"bench: {label} ({mcfg.path})")
+        with ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn")) as pool:
+            results[label] = pool.submit(measure, mcfg, cfg, ui.QUIET).result()
+    cuda = "cuda" in results["original"]["device"]
+    return {"table": comparison_rows(results), "kernels": {label: r["kernel"] for label, r in results.items()},
+            "details": results,
+            "timing": ("cuda events" + (", decode steps replayed as CUDA graphs" if cfg.cuda_graph else "")) if cuda else
+            f"wall clock, median of {cfg.repeats} after {cfg.warmup} warm-up"}

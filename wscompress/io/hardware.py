@@ -1,0 +1,56 @@
+"""Facts of the machine a run is on: the CPU's features, bfloat16 in hardware, the device a process computes on."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+
+from ..errors import UsageError
+from . import distributed
+
+
+def resolve_device(device: str) -> torch.device:
+    """The recipe's device; under a launcher, ``auto``/``cuda`` mean this process's own GPU
+    (``auto``: the CPU when the launch has more processes on this machine than GPUs)."""
+    if device in ("auto", "cuda") and distributed.gpu_per_process():
+        return torch.device("cuda", distributed.local_rank())
+    if device == "auto":
+        return torch.device("cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError(f"model.device is {device!r} but no CUDA device is available", "set model.device: auto or cpu")
+    if device.startswith("cuda") and not distributed.gpu_per_process():
+        gpus, processes = torch.cuda.device_count(), distributed.local_processes()
+        raise UsageError(f"model.device is {device!r} but the launch runs {processes} processes on this machine and "
+                         f"only {gpus} GPU{' is' if gpus == 1 else 's are'} visible",
+                         f"start one process per GPU (torchrun --nproc_per_node {gpus}) or set model.device: cpu")
+    return torch.device(device)
+
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (the ``flags`` line of /proc/cpuinfo, ``Features`` on ARM; none
+    where there is no such file). Nothing else of the file: its clock readings change."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return frozenset()
+    for line in lines:
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return frozenset()
+
+
+
+@functools.cache
+def native_bfloat16(device: torch.device) -> bool:
+    """Whether ``device`` multiplies bfloat16 in hardware: a GPU that has it, or a CPU with
+    AVX-512 BF16 or AMX that oneDNN uses (elsewhere bfloat16 is emulated, slower than float32)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported(including_emulation=False)
+    if device.type != "cpu" or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return False
+    return not cpu_flags().isdisjoint({"avx512_bf16", "amx_bf16"})
