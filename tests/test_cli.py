@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import yaml
 from typer.testing import CliRunner
 
@@ -84,13 +85,19 @@ def test_calibrate_writes_statistics(tmp_path, tiny_dir):
     assert report["modules"] == 4 * 7 and report["gram_matrices"] == 4 * 4  # q/k/v and gate/up share inputs
 
 
-def test_saved_statistics_feed_a_multi_stage_compress(tmp_path, tiny_dir):
+def test_saved_statistics_feed_a_multi_stage_compress(tmp_path, tiny_dir, monkeypatch):
     """Stage 0 reuses the saved statistics; stage 1 sees a changed model and recomputes."""
+    from wscompress.pipeline import calibration
+
     path = recipe(tmp_path, tiny_dir("llama"), calibration={"dataset": "pydoc", "num_samples": 4, "seq_len": 32},
                   compress=[{"method": "svd", "ratio": 0.3, "targets": ["mlp"]},
                             {"method": "svd", "ratio": 0.3, "targets": ["self_attn"]}])
     assert runner.invoke(app, ["calibrate", str(path), "-q"]).exit_code == 0
+    computed, real = [], calibration.collect_grams
+    monkeypatch.setattr(calibration, "collect_grams", lambda model, batches, names, *a, **k: computed.append(names) or
+                        real(model, batches, names, *a, **k))
     result = runner.invoke(app, ["compress", str(path), "-q"])
+    assert len(computed) == 1 and all("self_attn" in n for n in computed[0])  # stage 1 only: stage 0 read the saved
     assert result.exit_code == 0, result.output
     report = json.loads((tmp_path / "out" / "reports" / "compress.json").read_text())
     assert [s["method"] for s in report["stages"]] == ["svd", "svd"]
@@ -102,6 +109,41 @@ def test_target_matching_nothing_exits_2_without_output(tmp_path, tiny_dir):
     result = runner.invoke(app, ["compress", str(path)])
     assert result.exit_code == 2 and "matches no module" in result.output
     assert not (tmp_path / "out" / "model").exists()
+
+
+@pytest.mark.parametrize("sections,words", [
+    ({"finetune": {"mode": "dkm", "dkm": {"no_such_option": 1}}}, "finetune.dkm.no_such_option: unknown key"),
+    ({"finetune": {"mode": "lora", "lora_rank": 4}}, "moved to finetune.lora.rank"),
+    ({"finetune": {"mode": "lora", "lora": {"targets": ["no_such_proj"]}}}, "finetune.lora.targets: pattern 'no_such_proj'"),
+    ({"compress": [{"method": "kmeans", "targets": ["no_such_proj"]}]}, "pattern 'no_such_proj' matches no module"),
+    ({"compress": [{"method": "kmeans", "cluster_dim": 3}]}, "cluster_dim=3 does not divide"),
+    ({"compress": [{"method": "basis_sharing", "group_size": 9}]}, "group_size 9 exceeds the model's 4 layers"),
+    ({"compress": [{"method": "cross_layer", "group_size": 2, "targets": ["mlp"]}]}, "compress.0.targets: unknown key"),
+    ({"compress": [{"method": "gqa", "groups": 3}]}, "groups=3 does not divide the model's 2 key/value heads"),
+    ({"compress": [{"method": "svd"}, {"method": "kmeans", "targets": ["no_such_proj"]}]}, "compress.1.targets"),
+    ({"eval": {"perplexity": ["pydoc"], "context_length": 4096}}, "eval.context_length 4096 exceeds the 2048 positions"),
+])
+def test_check_finds_every_mistake_before_any_work(tmp_path, tiny_dir, monkeypatch, sections, words):
+    """``check`` (and every command before it starts) finds what a run met only mid-way, from
+    the model's structure on the meta device: no weight is loaded for it."""
+    from wscompress import workflow
+
+    path = recipe(tmp_path, tiny_dir("llama"), **sections)
+    monkeypatch.setattr(workflow, "load_model", lambda *a, **k: pytest.fail("weights were loaded"))
+    result = runner.invoke(app, ["check", str(path)])
+    assert result.exit_code == 2 and words in result.output and "fix:" in result.output, result.output
+    assert "Traceback" not in result.output
+
+
+def test_check_accepts_what_earlier_stages_create(tmp_path, tiny_dir):
+    """A later stage may target the children an earlier one creates (the coefficients of a
+    low-rank layer); ``check`` does not refuse it, and the run compresses them."""
+    path = recipe(tmp_path, tiny_dir("llama"), calibration={"dataset": "pydoc", "num_samples": 4, "seq_len": 32},
+                  compress=[{"method": "svd", "ratio": 0.3, "whitening": False},
+                            {"method": "kmeans", "bits": 4, "targets": ["coeff"], "refit": False}])
+    assert runner.invoke(app, ["check", str(path)]).exit_code == 0
+    result = runner.invoke(app, ["compress", str(path), "-q"])
+    assert result.exit_code == 0, result.output
 
 
 def test_output_dir_that_is_a_file_exits_2(tmp_path, tiny_dir):

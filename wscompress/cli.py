@@ -16,7 +16,7 @@ from .io import ui
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Make HuggingFace language models smaller by weight sharing and weight clustering.")
 
-RecipeArg = typer.Argument(..., help="YAML recipe (see configs/ and the README's 'Recipe format').")
+RecipeArg = typer.Argument(..., help="YAML recipe (see configs/ and docs/recipes.md).")
 SetOpt = typer.Option(None, "--set", "-s", help="Override one recipe key, e.g. --set compress.0.ratio=0.3 (repeatable).")
 OutOpt = typer.Option(None, "--output", "-o", help="Output directory (overrides output.dir).")
 QuietOpt = typer.Option(False, "--quiet", "-q", help="No progress bars or logs (CI); tables and errors still print.")
@@ -158,14 +158,15 @@ def report(runs: List[Path] = typer.Argument(..., help="Run output directories (
 
 @app.command()
 def check(recipe: Path = RecipeArg, set: Optional[List[str]] = SetOpt, quiet: bool = QuietOpt):
-    """Validate a recipe (keys, types, methods, text sources, tasks, output folder) without loading a model."""
+    """Validate a recipe (keys, types, methods, text sources, tasks, output folder, and every stage's
+    options against the model's structure, made from its config without reading a weight)."""
 
     def go():
         from .workflow import preflight
 
         r = _recipe(recipe, set, None)
         named = {s for s in ("calibration", "finetune", "eval") if s in r.model_fields_set}
-        preflight(r, named | {"calibration"} if r.compress else named)
+        preflight(r, named | {"calibration", "compress"} if r.compress else named)
         typer.echo(f"{recipe}: ok ({len(r.compress)} compress stages)")
 
     _do(quiet, go)

@@ -17,27 +17,31 @@ from torch import nn
 from .errors import UsageError
 from .evaluation import bench, report
 from .io import data, distributed, storage, ui
-from .io.checkpoints import load_model
+from .io.checkpoints import load_model, model_structure
 from .io.offload import offload_of
 from .pipeline import calibration
 from .pipeline.context import Context
 from .recipe.load import recipe_dict
-from .recipe.schema import BenchConfig, ModelConfig, Recipe
+from .recipe.schema import BenchConfig, FinetuneConfig, ModelConfig, Recipe
 
-Section = Literal["calibration", "finetune", "eval"]
+Section = Literal["calibration", "compress", "finetune", "eval"]
 
 
 def preflight(recipe: Recipe, sections: set[Section]) -> None:
     """Check what a step will need before it spends any time: the output folder, every text
-    source of ``sections`` and every lm-eval task and task data file the recipe names."""
+    source of ``sections``, every lm-eval task and task data file the recipe names, and, on
+    the model's structure (its modules on the meta device: no weight is read), every stage's
+    options and the fine-tuning targets."""
     out = recipe.out
     for p in (out, *out.parents):
         if p.exists() and not p.is_dir():
             raise UsageError(f"output.dir: {p} is a file, not a folder", f"choose another output folder than {out} (-o DIR)")
+    finetune = recipe.finetune if "finetune" in sections and recipe.finetune is not None and recipe.finetune.enabled else None
     if "calibration" in sections:
         data.check_source(recipe.calibration.dataset, "calibration.dataset")
-    if "finetune" in sections and recipe.finetune is not None and recipe.finetune.enabled:
-        data.check_source(recipe.finetune.dataset, "finetune.dataset")
+    if finetune is not None:
+        data.check_source(finetune.dataset, "finetune.dataset")
+        check_finetune(recipe)
     if "eval" in sections or "finetune" in sections:  # finetune evaluates on the first eval source
         for source in recipe.eval.perplexity:
             data.check_source(source, "eval.perplexity")
@@ -45,6 +49,96 @@ def preflight(recipe: Recipe, sections: set[Section]) -> None:
         from .evaluation.lmeval import task_specs
 
         task_specs(recipe.eval.tasks, recipe.eval.task_data)
+    stages = recipe.compress if "compress" in sections else []
+    for i, stage in enumerate(stages):
+        check_offload(i, stage.method, recipe.model.offload)
+    tuned = finetune is not None and finetune.mode in ("lora", "dkm")
+    if sections:
+        # the model the stages start from; the run's compressed output, if any, for the steps after compress
+        model = model_structure(recipe.model if stages else _trained_model_config(recipe))
+        if model is not None:
+            check_structure(model, recipe, stages, finetune if tuned else None, sections)
+
+
+def check_offload(index: int, method: str, offload: str) -> None:
+    """A stage that needs every layer at once cannot run on layers that rest on disk."""
+    from .methods import METHODS
+
+    if METHODS[method].whole_model and offload == "disk":
+        raise UsageError(f"compress.{index}: {method} needs every decoder layer in memory at once, which "
+                         "model.offload: disk does not keep", "use model.offload: cpu (or none) for this recipe")
+
+
+def check_finetune(recipe: Recipe) -> None:
+    """Fine-tuning options that a run would otherwise refuse only once it trains."""
+    cfg = recipe.finetune
+    processes = distributed.world()[1]
+    if cfg.batch_size % processes:
+        raise UsageError(f"finetune.batch_size {cfg.batch_size} does not split over {processes} processes",
+                         f"use a batch size divisible by {processes} (it is the global batch: each process takes its share)")
+    if recipe.model.offload == "disk" or recipe.model.offload == "cpu" and recipe.model.device.startswith("cuda"):
+        raise UsageError(f"finetune trains the whole model at once; model.offload: {recipe.model.offload} keeps its "
+                         "layers elsewhere", "set model.offload: none (a model too large for one device: accelerate "
+                         "launch with an FSDP config, see docs/scale.md)")
+    if cfg.mode == "dkm":
+        from .recovery.dkm import kmeans_stage
+
+        kmeans_stage(cfg.dkm)
+
+
+# children the compressed layers put under a module they replace: a later stage may target them
+COMPRESSED_CHILDREN = ("basis", "coeff", "base", "table", "embed", "proj")
+
+
+def check_structure(model: nn.Module, recipe: Recipe, stages: list, finetune: FinetuneConfig | None,
+                    sections: set[Section]) -> None:
+    """Options against the model's structure: the first stage's exactly, a later stage's against
+    the structure it starts from as far as it can be known beforehand (its target patterns may
+    name the children the stages before it create, e.g. ``coeff``); the fine-tuning targets
+    likewise; and no sequence longer than the model's positions."""
+    from .model.arch import match_modules
+    from .recipe.schema import TargetedStage
+
+    if stages and not savable(model):
+        raise UsageError(f"model.path: {type(model).__name__} ({model.config.model_type}) is not an architecture "
+                         "transformers ships, so no compressed folder can name it for loading",
+                         "compress a checkpoint of a LLaMA, Mistral, Qwen2, Gemma, GPT-2, OPT, ... architecture")
+    names = [n for n, _ in model.named_modules()]
+    later = names + [f"{n}.{c}" for n in names for c in COMPRESSED_CHILDREN]
+    for i, stage in enumerate(stages):
+        if i == 0 or not isinstance(stage, TargetedStage):
+            stage.check(model)
+        else:
+            _names_match(later, stage.targets, f"compress.{i}.targets")
+    if finetune is not None:
+        patterns, what = (finetune.lora.targets, "finetune.lora.targets") if finetune.mode == "lora" else \
+            (finetune.dkm.targets, "finetune.dkm.targets")
+        if stages:
+            _names_match(later, patterns, what)
+        else:
+            match_modules(model, patterns, what=what)
+    positions = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
+    lengths = {"calibration.seq_len": recipe.calibration.seq_len, "eval.context_length": recipe.eval.context_length,
+               "finetune.seq_len": recipe.finetune.seq_len if recipe.finetune is not None else 0}
+    lengths = {k: v for k, v in lengths.items() if k.split(".")[0] in sections}
+    for key, length in lengths.items():
+        if positions and length > positions:
+            raise UsageError(f"{key} {length} exceeds the {positions} positions the model has",
+                             f"use a {key.split('.')[1]} of at most {positions}")
+
+
+def _names_match(names: list[str], patterns: list[str], what: str) -> None:
+    """Every regex matches some name (a typo should not silently compress or train nothing)."""
+    import re
+
+    for pattern in patterns:
+        try:
+            rx = re.compile(pattern)
+        except re.error as err:
+            raise UsageError(f"{what}: {pattern!r} is not a valid regex: {err}") from None
+        if not any(rx.search(n) for n in names):
+            raise UsageError(f"{what}: pattern {pattern!r} matches no module",
+                             f"patterns are regexes searched in module names such as {', '.join(names[4:8])}")
 
 
 def stats_dir(recipe: Recipe) -> Path:
@@ -65,13 +159,11 @@ def apply_stages(model: nn.Module, tokenizer, recipe: Recipe, workdir: str | Pat
     rows = []
     offload = offload_of(model)
     for i, stage in enumerate(recipe.compress):
-        if METHODS[stage.method].whole_model and offload.mode == "disk":
-            raise UsageError(f"compress.{i}: {stage.method} needs every decoder layer in memory at once, which "
-                             "model.offload: disk does not keep", "use model.offload: cpu (or none) for this recipe")
+        check_offload(i, stage.method, offload.mode)
         before = storage.stats(model)["params"]
         start = time.perf_counter()
         with torch.no_grad():  # compression builds no graphs (a stage that needs gradients enables them itself)
-            result = METHODS[stage.method].apply(model, stage, ctx) or {}
+            result = METHODS[stage.method].apply(model, stage, ctx)
         storage.mark_trainable(model, result.get("trains", []))
         ctx.stages_done += 1
         rows.append({"stage": i, "method": stage.method, "params_before": before,
@@ -127,12 +219,8 @@ def step_calibrate(recipe: Recipe) -> dict:
 def step_compress(recipe: Recipe) -> dict:
     if not recipe.compress:
         raise UsageError(f"{recipe.source or 'recipe'}: compress: no stages", "add e.g. '- method: svd' with its options")
-    preflight(recipe, {"calibration"})
+    preflight(recipe, {"calibration", "compress"})
     model, tokenizer = load_model(recipe.model)
-    if not savable(model):  # before any work: the result could not be written
-        raise UsageError(f"model.path: {type(model).__name__} ({model.config.model_type}) is not an architecture "
-                         "transformers ships, so no compressed folder can name it for loading",
-                         "compress a checkpoint of a LLaMA, Mistral, Qwen2, Gemma, GPT-2, OPT, ... architecture")
     original = storage.stats(model)
     rows = apply_stages(model, tokenizer, recipe, recipe.out)
     saved = storage.save(model, tokenizer, model_path(recipe), recipe.output.max_shard_size)
@@ -221,7 +309,7 @@ def step_eval(recipe: Recipe, path: str | None = None) -> dict:
 
 def step_run(recipe: Recipe) -> dict:
     """The whole recipe, as far as it has sections: compress (stages), finetune, eval, bench."""
-    preflight(recipe, {"calibration", "finetune", "eval"})
+    preflight(recipe, {"calibration", "compress", "finetune", "eval"})
     out = {}
     if recipe.compress:
         out["compress"] = step_compress(recipe)

@@ -16,7 +16,7 @@ from torch import nn
 
 from ..errors import UsageError
 from ..recipe.schema import ModelConfig
-from . import offload
+from . import offload, ui
 from .files import cache_dir
 from .hardware import resolve_device
 
@@ -160,3 +160,23 @@ def checkpoint_files(path: str, revision: str | None = None) -> list[Path]:
     return sorted(folder.glob("*.safetensors"))
 
 
+def model_structure(cfg: ModelConfig) -> nn.Module | None:
+    """The model's modules on the meta device, made from its config alone (no weight is read),
+    for the checks before any work; None where the config cannot be read here (a hub id not in
+    the local cache while offline)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from . import storage
+
+    path, gguf = resolve_path(cfg)
+    try:
+        if storage.is_compressed(path):
+            config = storage.compressed_config(Path(path))
+        else:
+            config = AutoConfig.from_pretrained(path, gguf_file=gguf, revision=cfg.revision,
+                                                trust_remote_code=cfg.trust_remote_code or None)
+    except (OSError, ValueError) as err:
+        ui.log(f"[yellow]the model's structure is not checked before the run: {type(err).__name__}: {str(err)[:200]}[/]")
+        return None
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.trust_remote_code or None)

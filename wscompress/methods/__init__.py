@@ -1,9 +1,11 @@
 """Registry of compression methods.
 
 Each method is one module in this package with one config class (a ``StageConfig``
-subclass whose ``method`` field is a ``Literal`` of its name) and one entry point
-``apply(model, cfg, ctx) -> dict`` decorated with ``@register(ConfigClass)``. The dict it
-returns goes into the compression report. Modules here are imported automatically.
+subclass whose ``method`` field is a ``Literal`` of its name, and whose ``check(model)``
+refuses options this model cannot take: it runs on the model's structure alone, on the meta
+device, before any work) and one entry point ``apply(model, cfg, ctx) -> dict`` decorated
+with ``@register(ConfigClass)``. The dict it returns goes into the compression report.
+Modules here are imported automatically (``_sharing.py`` holds what the structural methods share).
 
 Methods work one decoder-layer group at a time: they read weights inside
 ``offload_of(model).onload(group)`` (or ``groups``/``pipeline.layerwise``) and statistics from
@@ -17,6 +19,8 @@ import pkgutil
 from dataclasses import dataclass
 from typing import Callable
 
+from torch import nn
+
 from ..recipe.schema import StageConfig
 
 
@@ -24,8 +28,13 @@ from ..recipe.schema import StageConfig
 class Method:
     name: str
     config: type[StageConfig]
-    apply: Callable  # (model, cfg, ctx) -> dict
+    run: Callable  # (model, cfg, ctx) -> dict: the method's work
     whole_model: bool  # needs every decoder layer in memory at once (not with model.offload: disk)
+
+    def apply(self, model: nn.Module, cfg: StageConfig, ctx) -> dict:
+        """Check the options against this model, then compress it (in place); the report row."""
+        cfg.check(model)
+        return self.run(model, cfg, ctx) or {}
 
 
 METHODS: dict[str, Method] = {}

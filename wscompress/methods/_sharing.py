@@ -20,7 +20,7 @@ from torch import nn
 
 from ..errors import UsageError
 from ..maths.linalg import solve_coefficients
-from ..model.arch import Arch, get_module, is_linear, set_module, weight_of
+from ..model.arch import Arch, discover, get_module, is_linear, set_module, weight_of
 from ..pipeline.layerwise import computing_in, layerwise, run_layer
 from ..recipe.schema import StageConfig
 
@@ -90,6 +90,9 @@ class WindowStage(StageConfig):
                                  f"{self.n * self.num_windows + 1} layers; the model has {num_layers}",
                                  "use a smaller n or num_windows, or set start (0 may include every layer)")
         return consecutive_groups(num_layers, self.n, start, self.num_windows, what="n/start/num_windows")
+
+    def check(self, model: nn.Module) -> None:
+        self.windows(discover(model).num_layers)
 
 
 def leaves(module: nn.Module, prefix: str = "") -> dict[str, nn.Module]:

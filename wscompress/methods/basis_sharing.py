@@ -47,6 +47,11 @@ class BasisSharingConfig(LowRankConfig):
     shared: list[Role] | None = Field(None, description="roles that share bases (default: per architecture)")
     private: list[Role] | None = Field(None, description="roles compressed per layer (default: the other roles)")
 
+    def check(self, model: nn.Module) -> None:
+        arch = discover(model)
+        layer_groups(arch.num_layers, self.group_size)
+        compressed_names(model, arch, self)
+
     @model_validator(mode="after")
     def _disjoint_roles(self):
         both = set(self.shared or ()) & set(self.private or ())
@@ -96,11 +101,9 @@ def resolve_roles(arch: Arch, cfg: BasisSharingConfig) -> tuple[list[str], list[
     return shared, private
 
 
-@register(BasisSharingConfig)
-def apply(model: nn.Module, cfg: BasisSharingConfig, ctx) -> dict:
-    arch = discover(model)
-    offload = offload_of(model)
-    groups = layer_groups(arch.num_layers, cfg.group_size)
+def compressed_names(model: nn.Module, arch: Arch, cfg: BasisSharingConfig) -> tuple[dict[str, tuple[int, str]], list[str]]:
+    """(the projections the targets choose, with their layer and role; those of them the stage
+    compresses): it refuses a choice with none, or with a module that layers share."""
     shared, private = resolve_roles(arch, cfg)
     chosen = decoder_projections(model, arch, cfg)
     names = [n for n, (_, role) in chosen.items() if role in shared + private]
@@ -108,6 +111,16 @@ def apply(model: nn.Module, cfg: BasisSharingConfig, ctx) -> dict:
         raise UsageError("basis_sharing: the targets select none of the shared or private projections",
                          "widen targets or name the roles in shared/private")
     require_unshared(model, names, "basis_sharing")  # stacking one module twice is no sharing
+    return chosen, names
+
+
+@register(BasisSharingConfig)
+def apply(model: nn.Module, cfg: BasisSharingConfig, ctx) -> dict:
+    arch = discover(model)
+    offload = offload_of(model)
+    groups = layer_groups(arch.num_layers, cfg.group_size)
+    shared, private = resolve_roles(arch, cfg)
+    chosen, names = compressed_names(model, arch, cfg)
     stats = ctx.stats(model, names, cfg.sensitivity_samples if cfg.allocates else 0)
     parts: dict[int, list[tuple[str, list[str]]]] = {}  # group index -> its factorisations (role, members)
     for g, group in enumerate(groups):

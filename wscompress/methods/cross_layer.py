@@ -57,6 +57,25 @@ class CrossLayerConfig(StageConfig):
     refit: bool = Field(True, description="re-solve the shared o_proj / down_proj, layer by layer, so that every member "
                                           "reproduces its original block output on what the shared layers before feed it")
 
+    def layer_groups(self, arch: Arch) -> list[list[int]]:
+        """The groups of layers that share, refused where they do not fit the model."""
+        if self.groups is not None:
+            groups = check_groups(self.groups, arch.num_layers)
+        else:
+            if self.group_size > arch.num_layers:
+                raise UsageError(f"group_size {self.group_size} exceeds the model's {arch.num_layers} layers",
+                                 f"use a group_size of at most {arch.num_layers}")
+            groups = consecutive_groups(arch.num_layers, self.group_size)
+        for g in groups:
+            part_leaves(arch, g[0], self.what)  # refuses a part the model lacks
+        if self.init == "representative" and any(self.representative >= len(g) for g in groups):
+            raise UsageError(f"representative {self.representative} is not a position in every group {groups}",
+                             f"use a position below {min(len(g) for g in groups)}")
+        return groups
+
+    def check(self, model: nn.Module) -> None:
+        self.layer_groups(discover(model))
+
     @model_validator(mode="after")
     def _one_grouping(self):
         if (self.group_size is None) == (self.groups is None):
@@ -157,18 +176,7 @@ def refit_ends(model: nn.Module, arch: Arch, groups: list[list[int]], originals:
 @register(CrossLayerConfig, whole_model=True)
 def apply(model, cfg: CrossLayerConfig, ctx) -> dict:
     arch = discover(model)
-    if cfg.groups is not None:
-        groups = check_groups(cfg.groups, arch.num_layers)
-    else:
-        if cfg.group_size > arch.num_layers:
-            raise UsageError(f"group_size {cfg.group_size} exceeds the model's {arch.num_layers} layers",
-                             f"use a group_size of at most {arch.num_layers}")
-        groups = consecutive_groups(arch.num_layers, cfg.group_size)
-    for g in groups:
-        part_leaves(arch, g[0], cfg.what)  # refuses a part the model lacks before any change
-    if cfg.init == "representative" and any(cfg.representative >= len(g) for g in groups):
-        raise UsageError(f"representative {cfg.representative} is not a position in every group {groups}",
-                         f"use a position below {min(len(g) for g in groups)}")
+    groups = cfg.layer_groups(arch)
     report: dict = {"what": cfg.what, "groups": groups, "init": cfg.init}
     gram = None
     sources: list[int | str]

@@ -24,19 +24,23 @@ class FactorizeEmbeddingsConfig(StageConfig):
     method: Literal["factorize_embeddings"] = "factorize_embeddings"
     rank: int = Field(128, ge=1, description="E, the inner dimension of V x E and E x H")
 
+    def check(self, model: nn.Module) -> None:
+        emb = model.get_input_embeddings()
+        if not isinstance(emb, nn.Embedding):
+            raise UsageError(f"factorize_embeddings: the input embedding is a {type(emb).__name__}, not an nn.Embedding",
+                             "factorize the embedding once, before other stages that replace it")
+        vocab, hidden = emb.weight.shape
+        if self.rank * (vocab + hidden) >= vocab * hidden:
+            raise UsageError(f"factorize_embeddings: rank {self.rank} saves nothing on a {vocab} x {hidden} embedding",
+                             f"use a rank below {vocab * hidden // (vocab + hidden)}")
+
 
 @register(FactorizeEmbeddingsConfig)
 @torch.no_grad()
 def apply(model, cfg: FactorizeEmbeddingsConfig, ctx) -> dict:
     arch = discover(model)
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
-    if not isinstance(emb, nn.Embedding):
-        raise UsageError(f"factorize_embeddings: the input embedding is a {type(emb).__name__}, not an nn.Embedding",
-                         "factorize the embedding once, before other stages that replace it")
     (vocab, hidden), e = emb.weight.shape, cfg.rank
-    if e * (vocab + hidden) >= vocab * hidden:
-        raise UsageError(f"factorize_embeddings: rank {e} saves nothing on a {vocab} x {hidden} embedding",
-                         f"use a rank below {vocab * hidden // (vocab + hidden)}")
     tied = head is not None and getattr(head, "weight", None) is emb.weight
     w = emb.weight.detach()
     u, s, vh = torch.linalg.svd(w.float(), full_matrices=False)

@@ -54,6 +54,29 @@ class GQAConfig(StageConfig):
     refit: bool = Field(True, description="pca: re-solve o_proj so the merged attention reproduces the original's "
                                           "output on the calibration activations")
 
+    def projections(self, model: nn.Module, arch: Arch) -> list[dict[str, str]]:
+        """Every layer's projections by role, refused where the model cannot take the merge."""
+        kv = arch.num_kv_heads
+        if not hasattr(model.config, "num_key_value_heads"):
+            raise UsageError(f"gqa: {arch.model_type} has no num_key_value_heads in its config, so stock "
+                             "transformers could not run a GQA result", "use a LLaMA/Mistral/Qwen2/Gemma-style model")
+        if kv % self.groups:
+            divisors = [d for d in range(1, kv + 1) if kv % d == 0]
+            raise UsageError(f"gqa: groups={self.groups} does not divide the model's {kv} key/value heads",
+                             f"use one of {divisors}")
+        projections = [arch.projections(i) for i in range(arch.num_layers)]
+        for i, roles in enumerate(projections):
+            if any(r not in roles for r in "qkvo"):
+                raise UsageError(f"gqa: layer {i} has no separate q/k/v/o projections",
+                                 "gqa needs q_proj, k_proj, v_proj and o_proj")
+        if self.init == "pca":
+            require_unshared(model, [roles[r] for roles in projections for r in "qkvo"],
+                             "gqa (init: pca; init: mean pools shared projections)")
+        return projections
+
+    def check(self, model: nn.Module) -> None:
+        self.projections(model, discover(model))
+
 
 def linear(weight: torch.Tensor, bias: torch.Tensor | None, like: torch.Tensor) -> nn.Linear:
     """An nn.Linear holding ``weight`` and ``bias`` in ``like``'s dtype and device."""
@@ -201,17 +224,7 @@ def refit_o(o: nn.Module, original: nn.Module, merged: list[torch.Tensor], refer
 def apply(model, cfg: GQAConfig, ctx) -> dict:
     arch = discover(model)
     heads, kv = arch.num_heads, arch.num_kv_heads
-    if not hasattr(model.config, "num_key_value_heads"):
-        raise UsageError(f"gqa: {model.config.model_type} has no num_key_value_heads in its config, so stock "
-                         "transformers could not run a GQA result", "use a LLaMA/Mistral/Qwen2/Gemma-style model")
-    if kv % cfg.groups:
-        divisors = [d for d in range(1, kv + 1) if kv % d == 0]
-        raise UsageError(f"gqa: groups={cfg.groups} does not divide the model's {kv} key/value heads",
-                         f"use one of {divisors}")
-    projections = [arch.projections(i) for i in range(arch.num_layers)]
-    for i, roles in enumerate(projections):
-        if any(r not in roles for r in "qkvo"):
-            raise UsageError(f"gqa: layer {i} has no separate q/k/v/o projections", "gqa needs q_proj, k_proj, v_proj and o_proj")
+    projections = cfg.projections(model, arch)
     report = {"kv_heads_before": kv, "kv_heads_after": cfg.groups, "query_heads": heads, "init": cfg.init}
     if cfg.init == "mean":
         pooled = distinct(model, [roles[r] for roles in projections for r in ("k", "v")])
@@ -222,7 +235,6 @@ def apply(model, cfg: GQAConfig, ctx) -> dict:
             set_kv_heads(model, arch, i, cfg.groups)
     else:
         pooled = [roles[r] for roles in projections for r in "qkvo"]
-        require_unshared(model, pooled, "gqa (init: pca; init: mean pools shared projections)")
         # The heads are merged on the original model's statistics: merging them on what the
         # already-merged layers feed them fits the drifted keys and values, not the original's
         # (protocol, 3 -> 1 kv heads, wiki.test / brown: without refit 98.89 / 175.11 against

@@ -38,11 +38,11 @@ from ..model.arch import LINEAR_TYPES, Conv1D, dims_of, discover, distinct, matc
 from ..model.modeling_wscompress import CodebookDtype, PalettizedEmbedding, PalettizedLinear, entropy
 from ..pipeline.refit import Target, fit_pass
 from ..pipeline.stats import SharedGrams
-from ..recipe.schema import StageConfig
+from ..recipe.schema import TargetedStage
 from . import register
 
 
-class KMeansConfig(StageConfig):
+class KMeansConfig(TargetedStage):
     """Palettize linear layers (default: every linear of the decoder layers)."""
 
     method: Literal["kmeans"] = "kmeans"
@@ -79,6 +79,15 @@ class KMeansConfig(StageConfig):
     def needs_statistics(self) -> bool:
         return self.sensitivity != "none" or self.error_feedback or self.refit
 
+    def check(self, model: nn.Module) -> None:
+        """Every target pattern names a linear, and the options tile each one."""
+        for name, module in target_layers(model, self).items():
+            check_layer(name, *reversed(dims_of(module)), self)
+            if tied_to_embeddings(model, module) is not None and self.bits != 8 and dims_of(module)[0] // self.cluster_dim % 8:
+                raise UsageError(f"{name} is tied to the input embeddings, whose lookups decode whole rows: a row's "
+                                 f"{dims_of(module)[0] // self.cluster_dim} indices of {self.bits} bits do not fill whole "
+                                 "bytes", "use bits: 8, a cluster_dim leaving a multiple of 8 indices a row, or ignore it")
+
     @model_validator(mode="after")
     def _group_size(self) -> KMeansConfig:
         if (self.granularity == "grouped") != (self.group_size is not None):
@@ -112,7 +121,7 @@ def check_layer(name: str, out_features: int, in_features: int, cfg) -> None:
                          f"use a group_size dividing {out_features} (e.g. {_divisors(out_features)}) or ignore this layer")
 
 
-def target_layers(model: nn.Module, cfg: StageConfig) -> dict[str, nn.Module]:
+def target_layers(model: nn.Module, cfg: TargetedStage) -> dict[str, nn.Module]:
     """Matched dense linears (a module shared by layers once)."""
     layers = match_modules(model, cfg.targets or default_targets(model), cfg.ignore, kind=LINEAR_TYPES)
     return {n: layers[n] for n in distinct(model, list(layers))}
@@ -224,12 +233,6 @@ def apply(model: nn.Module, cfg: KMeansConfig, ctx) -> dict:
     arch = discover(model)
     offload = offload_of(model)
     layers = target_layers(model, cfg)
-    for name, module in layers.items():
-        check_layer(name, *reversed(dims_of(module)), cfg)
-        if tied_to_embeddings(model, module) is not None and cfg.bits != 8 and dims_of(module)[0] // cfg.cluster_dim % 8:
-            raise UsageError(f"{name} is tied to the input embeddings, whose lookups decode whole rows: a row's "
-                             f"{dims_of(module)[0] // cfg.cluster_dim} indices of {cfg.bits} bits do not fill whole bytes",
-                             "use bits: 8, a cluster_dim leaving a multiple of 8 indices a row, or ignore it")
     by_layer: dict[int | None, list[str]] = {}
     for name in layers:  # a module shared by several layers: under the first (see target_layers)
         by_layer.setdefault(arch.layer_of(name), []).append(name)

@@ -16,6 +16,12 @@ class MergeConfig(WindowStage):
     method: Literal["merge"] = "merge"
     parts: list[Part] = Field(default_factory=lambda: ["ffn"], min_length=1, description="sub-blocks averaged: attn, ffn, block")
 
+    def check(self, model) -> None:
+        arch = discover(model)
+        windows = self.windows(arch.num_layers)
+        for part in self.parts:
+            part_leaves(arch, windows[0][0], part)  # refuses a part the model lacks
+
     @field_validator("parts")
     @classmethod
     def _distinct(cls, parts: list[str]) -> list[str]:
@@ -28,7 +34,5 @@ class MergeConfig(WindowStage):
 def apply(model, cfg: MergeConfig, ctx) -> dict:
     arch = discover(model)
     windows = cfg.windows(arch.num_layers)
-    for part in cfg.parts:
-        part_leaves(arch, windows[0][0], part)  # refuses a part the model lacks before any change
     saved = sum(share_group(arch, w, part, "mean") for w in windows for part in cfg.parts)
     return {"windows": windows, "parts": cfg.parts, "params_saved": saved}

@@ -31,7 +31,7 @@ from pydantic import Field
 from torch import nn
 
 from ..errors import UsageError
-from ..model.arch import discover, set_module, weight_of
+from ..model.arch import Arch, discover, set_module, weight_of
 from ..pipeline.layerwise import LayerInputs, layerwise, run_layer
 from ..pipeline.refit import LeastSquares
 from . import register
@@ -47,6 +47,23 @@ class MergeDropConfig(WindowStage):
                                                                 "dropped), or the element-wise mean of its layers")
     refit: bool = Field(True, description="re-solve the kept layer's down projection so the layer reproduces the "
                                           "window's output on the calibration inputs (one pass over them)")
+
+    def check(self, model: nn.Module) -> None:
+        arch = discover(model)
+        if arch.layer_indexed:
+            raise UsageError("merge_drop: this model scales attention by its layer index, which re-indexing would change",
+                             "use merge (keeps depth) instead of merge_drop")
+        if self.refit and ("down" not in arch.projections(0) or arch.ffn_output_norm):
+            raise UsageError("merge_drop: refit solves for the FFN down projection's output as it is added to the "
+                             "residual stream; this model has none, or normalises it first (Gemma)", "use refit: false")
+        for w in self.windows(arch.num_layers):  # a searched placement: its windows are layers of one kind too
+            same_structure(arch, w)
+
+
+def same_structure(arch: Arch, window: list[int]) -> None:
+    """Refuse a window whose layers differ in structure (one cannot stand for the others)."""
+    if any(set(leaves(arch.layers[i])) != set(leaves(arch.layers[window[0]])) for i in window):
+        raise UsageError(f"merge_drop: the layers of window {window} differ in structure", "merge only layers of the same kind")
 
 
 @torch.no_grad()
@@ -139,19 +156,13 @@ def refit_down(model: nn.Module, windows: list[list[int]], kept: dict[int, nn.Mo
 @register(MergeDropConfig, whole_model=True)
 def apply(model, cfg: MergeDropConfig, ctx) -> dict:
     arch = discover(model)
-    if arch.layer_indexed:
-        raise UsageError("merge_drop: this model scales attention by its layer index, which re-indexing would change",
-                         "use merge (keeps depth) instead of merge_drop")
-    if cfg.refit and ("down" not in arch.projections(0) or arch.ffn_output_norm):
-        raise UsageError("merge_drop: refit solves for the FFN down projection's output as it is added to the "
-                         "residual stream; this model has none, or normalises it first (Gemma)", "use refit: false")
-    windows = cfg.windows(arch.num_layers)  # refuses windows that cannot fit before any pass over the data
+    windows = cfg.windows(arch.num_layers)
     distances = {}
     if cfg.search and cfg.start is None and cfg.groups is None:
         distances = angular_distances(model, ctx.calibration(), cfg.n)
         windows = searched_windows(distances, cfg.n, cfg.num_windows)
-    if any(set(leaves(arch.layers[i])) != set(leaves(arch.layers[w[0]])) for w in windows for i in w):
-        raise UsageError(f"merge_drop: layers of windows {windows} differ in structure", "merge only layers of the same kind")
+        for w in windows:
+            same_structure(arch, w)
     kept = {}  # a window's first layer -> the layer that replaces the window (a copy while the refit needs the originals)
     for w in windows:
         kept[w[0]] = copy.deepcopy(arch.layers[w[0]]) if cfg.refit else arch.layers[w[0]]

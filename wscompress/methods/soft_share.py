@@ -86,6 +86,24 @@ class SoftShareConfig(StageConfig):
                                           "pass over the calibration set); on the protocol it won on wiki.test and "
                                           "on brown.txt")
 
+    def ffn_names(self, model: nn.Module, arch: Arch) -> list[str]:
+        """Every layer's FFN projections, refused where the windows do not fit the model, it has no
+        FFN layers or an earlier stage shares them."""
+        n = arch.num_layers
+        if self.window > n:
+            raise UsageError(f"soft_share: window {self.window} exceeds the model's {n} layers", f"use a window of at most {n}")
+        if self.starts is None and self.window * self.num_windows > n:
+            raise UsageError(f"soft_share: no room for {self.num_windows} windows of {self.window} layers in {n} layers",
+                             "use fewer or smaller windows")
+        names = [name for i in range(n) for name in ffn_names(arch, i, "soft_share").values()]
+        require_unshared(model, names, "soft_share")
+        if self.starts is not None:
+            check_groups([list(range(s, s + self.window)) for s in self.starts], n, what="starts")
+        return names
+
+    def check(self, model: nn.Module) -> None:
+        self.ffn_names(model, discover(model))
+
 
 @torch.no_grad()
 def soft_modules(weights: list[dict[str, Weights]], rank: int, grams: list[dict[str, torch.Tensor]] | None = None,
@@ -301,16 +319,7 @@ def search(model: nn.Module, planner: Planner, candidates: list[int], window: in
 def apply(model, cfg: SoftShareConfig, ctx) -> dict:
     arch = discover(model)
     n = arch.num_layers
-    if cfg.window > n:
-        raise UsageError(f"soft_share: window {cfg.window} exceeds the model's {n} layers", f"use a window of at most {n}")
-    if cfg.starts is None and cfg.window * cfg.num_windows > n:
-        raise UsageError(f"soft_share: no room for {cfg.num_windows} windows of {cfg.window} layers in {n} layers",
-                         "use fewer or smaller windows")
-    # refuses a model without FFN layers, or whose FFNs an earlier stage shares, before any work
-    names = [name for i in range(n) for name in ffn_names(arch, i, "soft_share").values()]
-    require_unshared(model, names, "soft_share")
-    if cfg.starts is not None:
-        check_groups([list(range(s, s + cfg.window)) for s in cfg.starts], n, what="starts")
+    names = cfg.ffn_names(model, arch)
     batches = ctx.calibration()
     stats = ctx.stats(model, names) if cfg.whitening or cfg.base == "fit" else None
     acts = sample_inputs(model, arch, batches, "down", cfg.samples_per_batch, dtype=ctx.dtype(model))

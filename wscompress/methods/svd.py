@@ -23,13 +23,13 @@ from ..model.arch import Arch, dims_of, discover, distinct, get_module, match_mo
 from ..model.modeling_wscompress import LowRankLinear
 from ..pipeline.refit import Target, refit_pass
 from ..pipeline.stats import SharedGrams
-from ..recipe.schema import StageConfig
+from ..recipe.schema import TargetedStage
 from . import register
 
 Allocation = Literal["uniform", "fisher"]
 
 
-class LowRankConfig(StageConfig):
+class LowRankConfig(TargetedStage):
     """Options common to the SVD-family stages."""
 
     ratio: float = Field(0.2, gt=0, lt=1, description="fraction of the targets' parameters to remove")
@@ -54,6 +54,9 @@ class LowRankConfig(StageConfig):
         if {"ratio", "rank"} <= self.model_fields_set and self.rank is not None:
             raise ValueError("give either ratio or rank, not both")
         return self
+
+    def check(self, model: nn.Module) -> None:
+        decoder_projections(model, discover(model), self)  # every target pattern names a projection
 
     def rank_for(self, d_in: int, d_out: int, n: int = 1) -> int:
         return self.rank if self.rank is not None else rank_for_ratio(d_in, d_out, self.ratio, n)
@@ -81,7 +84,7 @@ class SVDConfig(LowRankConfig):
         return self
 
 
-def decoder_projections(model: nn.Module, arch: Arch, cfg: StageConfig) -> dict[str, tuple[int, str]]:
+def decoder_projections(model: nn.Module, arch: Arch, cfg: TargetedStage) -> dict[str, tuple[int, str]]:
     """name -> (layer index, role) of the decoder-layer projections a stage compresses: all of
     them by default, those matching ``targets`` (and not ``ignore``) otherwise."""
     found = {name: (i, role) for i in range(arch.num_layers) for role, name in arch.projections(i).items()}

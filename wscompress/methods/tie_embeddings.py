@@ -23,19 +23,22 @@ class TieEmbeddingsConfig(StageConfig):
     method: Literal["tie_embeddings"] = "tie_embeddings"
     init: Literal["input", "output", "mean"] = Field("mean", description="what the tied matrix starts from")
 
+    def check(self, model: nn.Module) -> None:
+        emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+        if not isinstance(emb, nn.Embedding) or not (isinstance(head, nn.Linear) and is_dense_linear(head)):
+            raise UsageError(f"tie_embeddings needs a plain nn.Embedding and nn.Linear head, found {type(emb).__name__} "
+                             f"and {type(head).__name__}", "run tie_embeddings before stages that replace the embeddings")
+        if head.weight.shape != emb.weight.shape:
+            raise UsageError(f"tie_embeddings: the embedding is {tuple(emb.weight.shape)} but the head is "
+                             f"{tuple(head.weight.shape)}", "only heads with the embedding's shape (vocab, hidden) can be tied")
+
 
 @register(TieEmbeddingsConfig)
 @torch.no_grad()
 def apply(model, cfg: TieEmbeddingsConfig, ctx) -> dict:
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
-    if not isinstance(emb, nn.Embedding) or not (isinstance(head, nn.Linear) and is_dense_linear(head)):
-        raise UsageError(f"tie_embeddings needs a plain nn.Embedding and nn.Linear head, found {type(emb).__name__} "
-                         f"and {type(head).__name__}", "run tie_embeddings before stages that replace the embeddings")
     if head.weight is emb.weight:
         return {"applicable": False, "reason": "input and output embeddings are already tied", "params_saved": 0}
-    if head.weight.shape != emb.weight.shape:
-        raise UsageError(f"tie_embeddings: the embedding is {tuple(emb.weight.shape)} but the head is {tuple(head.weight.shape)}",
-                         "only heads with the embedding's shape (vocab, hidden) can be tied")
     source = {"input": emb.weight, "output": head.weight, "mean": (emb.weight.float() + head.weight.float()) / 2}[cfg.init]
     emb.weight.copy_(source.to(emb.weight.dtype))
     head.weight = emb.weight

@@ -91,7 +91,7 @@ def load_recipe(path: str | Path | None = None, overrides: list[str] = (), data:
         recipe = Recipe.model_validate(data)
     except ValidationError as err:
         raise UsageError(error_lines(err, where),
-                         f"sections: {known_keys(Recipe)}; see README 'Recipe format'") from None
+                         f"sections: {known_keys(Recipe)}; see docs/recipes.md") from None
     recipe.compress = [parse_stage(s, i, where) for i, s in enumerate(stages)]
     recipe.source = str(path) if path else None
     return recipe

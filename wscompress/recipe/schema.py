@@ -89,6 +89,15 @@ class StageConfig(Strict):
     """Fields every compression stage has; each method subclasses this with its options."""
 
     method: str
+
+    def check(self, model) -> None:
+        """Refuse options this model cannot take (raise a UsageError naming the fix), from its
+        structure alone: it runs on the meta device before any work, and again before the stage."""
+
+
+class TargetedStage(StageConfig):
+    """A stage that compresses the modules its ``targets`` name (each method has its default)."""
+
     targets: list[str] = Field(default_factory=list, description="regexes (re.search) over module names")
     ignore: list[str] = Field(default_factory=list, description="regexes of modules to leave alone")
 
