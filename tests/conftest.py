@@ -19,8 +19,10 @@ WIKI_TEST = "builtin:wiki.test"
 SENTIMENT = str(REPO / "wscompress" / "evaluation" / "tasks" / "sentiment.jsonl")
 
 
-def make_tokenizer(vocab_size: int = 512):
-    """A small BPE tokenizer trained offline on CPython's bundled docs."""
+def make_tokenizer(vocab_size: int = 512, texts: list[str] | None = None):
+    """A small BPE tokenizer trained offline, on CPython's bundled docs unless ``texts`` are given
+    (those docs change with the Python version: tests that compare with stored numbers train on
+    a text that ships with wscompress instead, see ``text_tokenizer``)."""
     from pydoc_data.topics import topics
 
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -31,7 +33,7 @@ def make_tokenizer(vocab_size: int = 512):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<eos>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(list(topics.values()), trainer)
+    tok.train_from_iterator(list(topics.values()) if texts is None else texts, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>", pad_token="<eos>")
 
 
@@ -53,6 +55,15 @@ def emulated_bfloat16():
 @pytest.fixture(scope="session")
 def tokenizer():
     return make_tokenizer()
+
+
+def text_tokenizer():
+    """``make_tokenizer`` trained on the first 100 000 characters of ``builtin:wiki.train``: the
+    same on every Python."""
+    from wscompress.io import data
+
+    text = data.load_text(WIKI_TRAIN)[:100_000]
+    return make_tokenizer(texts=[text[i:i + 2000] for i in range(0, len(text), 2000)])
 
 
 def tiny_config(kind: str, vocab_size: int = 512, layers: int = 4):

@@ -50,10 +50,11 @@ def test_interrupted_and_resumed_run_ends_like_an_uninterrupted_one(tmp_path, to
 def test_a_time_budget_ends_training_and_its_schedule(tmp_path, tokenizer):
     opts = {"mode": "full", "steps": 100_000, "max_minutes": 0.02, "eval_every": 1_000}
     _, report = finetune(tiny_model("llama"), tokenizer, recipe(tmp_path, **opts))
-    seconds = [h["seconds"] for h in report["history"]]
-    assert 1 < report["steps"] < 100_000 and seconds == sorted(seconds)
-    assert seconds[-1] >= 1.2 >= seconds[-2]  # stops at the first step past the budget (seconds rounded to ms)
-    assert report["history"][-1]["lr"] < 0.01 * 3e-3 < report["history"][0]["lr"]  # the cosine decayed over the time
+    seconds = [h["seconds"] for h in report["history"]]  # however fast the machine: what holds at any speed
+    assert 1 <= report["steps"] < 100_000 and seconds == sorted(seconds)
+    assert seconds[-1] >= 1.2 and (len(seconds) == 1 or seconds[-2] <= 1.2)  # stops at the first step past the budget
+    assert report["history"][-1]["lr"] < 0.01 * 3e-3  # the cosine decayed over the time
+    assert len(seconds) == 1 or report["history"][-1]["lr"] < report["history"][0]["lr"]
     assert "ppl" in report["history"][-1]  # the last step is evaluated even between eval_every steps
 
 

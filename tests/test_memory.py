@@ -83,7 +83,7 @@ def test_blas_threads_sleep_once_a_call_ends():
                                                              "OMP_NUM_THREADS")}
     spent = {mode: float(subprocess.run([sys.executable, "-c", SPIN, mode], capture_output=True, text=True,
                                         check=True, env=env).stdout) for mode in ("off", "on")}
-    assert spent["off"] > 0.03 and spent["on"] < 0.01, spent
+    assert spent["on"] < 0.25 * spent["off"], spent  # relative: a busy machine slows both
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/maps")
