@@ -219,13 +219,13 @@ def test_refit_replays_finished_blocks_without_changing_the_result(tokenizer, mo
     after its down projection (``-mlp-scaled``) is not one down ends: it is recomputed."""
     from transformers.models.llama.modeling_llama import LlamaMLP
 
-    from wscompress.pipeline import refit
+    from wscompress.pipeline.replay import Replays
 
     scaled = LlamaMLP.forward
 
     def run(replay: bool) -> tuple[torch.nn.Module, int, int]:
         if not replay:
-            monkeypatch.setattr(refit._Replays, "__call__", lambda *_a, **_k: contextlib.nullcontext())
+            monkeypatch.setattr(Replays, "__call__", lambda *_a, **_k: contextlib.nullcontext())
         if kind.endswith("-mlp-scaled"):
             monkeypatch.setattr(LlamaMLP, "forward", lambda self, x: scaled(self, x) * 1.0)
         model, calls = tiny_model(kind.split("-")[0]), {"attn": 0, "mlp": 0}

@@ -287,8 +287,7 @@ def test_search_scores_each_window_after_its_refit(tokenizer):
     each score equals the sampled NLL of that window built and refit from scratch, which is
     not the unrefit window's."""
     from wscompress.methods._sharing import sample_inputs
-    from wscompress.methods.soft_share import Planner, by_layer, place, refit_down_projections, sampled_nll
-    from wscompress.pipeline.layerwise import layerwise
+    from wscompress.methods.soft_share import Planner, SoftShareConfig, place, refit_down_projections, sampled_nll
 
     model, ctx = tiny_model("llama", layers=5), Calibration(tokenizer)
     row = soft_share(model, tokenizer, window=2, rank=2, search_samples=2, search_fit_samples=2, refit=False)
@@ -302,9 +301,9 @@ def test_search_scores_each_window_after_its_refit(tokenizer):
     positions = torch.randperm(31, generator=torch.Generator().manual_seed(0))[:64].sort().values
     moved = []
     for start in range(4):
-        old = place(model, planner.build(start, 2, joint=False))
-        refit_down_projections(model, arch, by_layer(arch, old, (start, start + 1)), layerwise(model, [fit], arch), None,
-                               iters=1)
+        built = planner.build(start, 2, joint=False)
+        old = {n: model.get_submodule(n) for n in built}
+        refit_down_projections(model, arch, built, [fit], SoftShareConfig(window=2, rank=2), None, iters=1)
         score = sampled_nll(model, [scored], positions)
         place(model, old)
         assert row["search_nll"][str(start)] == pytest.approx(score, abs=2e-4)

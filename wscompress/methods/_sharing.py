@@ -22,13 +22,13 @@ from ..errors import UsageError
 from ..maths.linalg import solve_coefficients
 from ..model.arch import Arch, discover, get_module, is_linear, set_module, weight_of
 from ..pipeline.layerwise import computing_in, layerwise, run_layer
-from ..recipe.schema import StageConfig
+from ..recipe.schema import WEIGHT_RIDGE, StageConfig
 
 Part = Literal["attn", "ffn", "block"]
 FFN_ROLES = ("gate", "up", "down", "gate_up")
 OUTPUT_ROLES = ("gate", "up")  # rows are the FFN's neurons; "down" has them as columns
 Weights = tuple[torch.Tensor, torch.Tensor | None]  # (weight (out, in), bias)
-FIT_RIDGE = 0.1  # shared weights fitted toward the group's mean (the strength the project's other refits use)
+FIT_RIDGE = WEIGHT_RIDGE  # shared weights fitted toward the group's mean, as the refits of whole weights
 
 
 def check_groups(groups: list[list[int]], num_layers: int, what: str = "groups") -> list[list[int]]:
@@ -160,28 +160,37 @@ def fitted_weight(weights: list[torch.Tensor], grams: list[torch.Tensor], mean: 
     return solve_coefficients(a, r, FIT_RIDGE, mean)
 
 
-def share_group(arch: Arch, group: list[int], part: Part, source: int | Literal["mean", "fit"],
-                gram: Callable[[str], torch.Tensor] | None = None) -> int:
-    """Make every layer of ``group`` use one set of ``part`` leaf modules (the same objects):
-    layer ``source``'s own, new ones holding the group's mean, or (``fit``) the mean for norms
-    and, for linears, the weights fitted to the members' inputs (``fitted_modules``; ``gram``:
-    full module name -> its input Gram matrix). Returns parameters saved."""
+def shared_modules(arch: Arch, group: list[int], part: Part, source: int | Literal["mean", "fit"],
+                   gram: Callable[[str], torch.Tensor] | None = None) -> tuple[dict[str, nn.Module], int]:
+    """The ``part`` leaf modules every layer of ``group`` is to use (name inside a layer ->
+    module): layer ``source``'s own, new ones holding the group's mean, or (``fit``) the mean
+    for norms and, for linears, the weights fitted to the members' inputs (``fitted_modules``;
+    ``gram``: full module name -> its input Gram matrix); and the parameters they save."""
     per_layer = [part_leaves(arch, i, part) for i in group]
     keys = [{local(arch, i, n) for n in names} for i, names in zip(group, per_layer)]
     if any(k != keys[0] for k in keys):
         raise UsageError(f"layers {group} do not have the same {part} structure", "group only layers of the same kind")
-    saved = 0
+    out, saved = {}, 0
     for key in sorted(keys[0]):
         modules = [get_module(arch.layers[i], key) for i in group]
         if source == "mean" or source == "fit" and not is_linear(modules[0]):
-            shared = average_modules(modules)
+            out[key] = average_modules(modules)
         elif source == "fit":
-            shared = fitted_modules(modules, [gram(f"{arch.layer_name(i)}.{key}") for i in group])
+            out[key] = fitted_modules(modules, [gram(f"{arch.layer_name(i)}.{key}") for i in group])
         else:
-            shared = get_module(arch.layers[source], key)
-        saved += sum(p.numel() for p in shared.parameters()) * (len(group) - 1)
+            out[key] = get_module(arch.layers[source], key)
+        saved += sum(p.numel() for p in out[key].parameters()) * (len(group) - 1)
+    return out, saved
+
+
+def share_group(arch: Arch, group: list[int], part: Part, source: int | Literal["mean", "fit"],
+                gram: Callable[[str], torch.Tensor] | None = None) -> int:
+    """Make every layer of ``group`` use one set of ``part`` leaf modules (the same objects,
+    ``shared_modules``). Returns parameters saved."""
+    shared, saved = shared_modules(arch, group, part, source, gram)
+    for key, module in shared.items():
         for i in group:
-            set_module(arch.layers[i], key, shared)
+            set_module(arch.layers[i], key, module)
     return saved
 
 

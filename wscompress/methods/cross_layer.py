@@ -23,13 +23,13 @@ from pydantic import Field, model_validator
 from torch import nn
 
 from ..errors import UsageError
-from ..model.arch import Arch, discover, distinct, get_module, is_linear, set_module, weight_of
+from ..io.data import first_samples
+from ..model.arch import Arch, discover, distinct, is_linear, set_module, weight_of
 from ..pipeline.layerwise import layerwise, run_layer
-from ..pipeline.refit import LeastSquares, module_inputs, originals_in
-from ..recipe.schema import StageConfig
+from ..pipeline.refit import LeastSquares, WeightFit, fit_pass
+from ..recipe.schema import LayerRefit, StageConfig
 from . import register
 from ._sharing import (
-    FIT_RIDGE,
     Part,
     alignment,
     check_groups,
@@ -39,13 +39,13 @@ from ._sharing import (
     part_leaves,
     permute_ffn,
     sample_inputs,
-    share_group,
+    shared_modules,
 )
 
 ENDS = ("o", "down")  # the roles whose output is their block's output, in forward order
 
 
-class CrossLayerConfig(StageConfig):
+class CrossLayerConfig(StageConfig, LayerRefit):
     method: Literal["cross_layer"] = "cross_layer"
     what: Part = Field("ffn", description="what is shared: attn, ffn or block (all of a layer's weights)")
     group_size: int | None = Field(None, ge=2, description="consecutive groups over the whole model (a remainder stays unshared)")
@@ -54,8 +54,6 @@ class CrossLayerConfig(StageConfig):
         "fit", description="fit: FFN neurons aligned, then each shared linear fitted to every member's calibration "
                            "inputs; mean of the group; one chosen layer; or the layer with the least calibration error")
     representative: int = Field(0, ge=0, description="init representative: position inside each group (0: its first layer)")
-    refit: bool = Field(True, description="re-solve the shared o_proj / down_proj, layer by layer, so that every member "
-                                          "reproduces its original block output on what the shared layers before feed it")
 
     def layer_groups(self, arch: Arch) -> list[list[int]]:
         """The groups of layers that share, refused where they do not fit the model."""
@@ -140,36 +138,28 @@ def fit_init(model: nn.Module, arch: Arch, groups: list[list[int]], part: Part,
     return aligned, gram
 
 
-@torch.no_grad()
-def refit_ends(model: nn.Module, arch: Arch, groups: list[list[int]], originals: dict[int, dict[str, nn.Module]],
+def refit_ends(model: nn.Module, arch: Arch, per_layer: dict[int, dict[str, nn.Module]], cfg: CrossLayerConfig,
                ctx) -> list[str]:
-    """Re-solve the shared linears ending a block (``ENDS``), layers in order: each member's
-    original module is the target on the same layer input (``pipeline.refit.LeastSquares``,
-    summed over the members so far, toward the shared weight it started from). Returns the
-    refit modules' first names."""
-    where = {i for g in groups for i in g}
-    last = max(where)
-    fits: dict[int, LeastSquares] = {}
+    """Swap the shared modules in layer by layer (``per_layer``: layer -> full name -> shared
+    module; ``pipeline.refit.fit_pass``) and re-solve the shared linears that end a block
+    (``ENDS``): each member's original module is the target, summed over the members so far,
+    toward the shared weight it started from. Returns the refit modules' first names."""
+    ends = {n for i, names in per_layer.items() for r, n in arch.projections(i).items() if r in ENDS and n in names}
+    solvers: dict[int, LeastSquares] = {}
     refit: list[str] = []
-    dtype = ctx.dtype(model)
-    for i, layer, inputs in layerwise(model, ctx.calibration(), arch, "cross_layer: refitting shared modules", dtype):
-        if i not in where:
-            continue
-        roles = {r: n for r, n in arch.projections(i).items() if n in originals[i]}
-        for role in (r for r in ENDS if r in roles):
-            name = roles[role]
-            now = {n: get_module(model, n) for n in originals[i]}
-            with originals_in(model, originals[i], now):  # the original layer, for the target
-                reference = module_inputs(layer, inputs, originals[i][name], dtype)
-            original, shared = originals[i][name], now[name]
-            if id(shared) not in fits:
-                fits[id(shared)] = LeastSquares(weight_of(shared), FIT_RIDGE)
-                refit.append(name)
-            fits[id(shared)].add(weight_of(original), module_inputs(layer, inputs, shared, dtype), reference)
-            weight = weight_of(shared)
-            weight.copy_(fits[id(shared)].solve().to(weight.dtype))
-        if i == last:
-            break  # the layers after the groups need no outputs
+
+    def stage(modules: dict[str, nn.Module], weights: dict[str, torch.Tensor], same: bool, _dtype) -> WeightFit | None:
+        (name, shared), *more = modules.items()
+        if more or name not in ends:
+            return None
+        if id(shared) not in solvers:
+            solvers[id(shared)] = LeastSquares(weight_of(shared), cfg.ridge)
+            refit.append(name)
+        return WeightFit(weights[name], same, solvers[id(shared)], lambda solver: solver.write(shared))
+
+    fit_pass(model, arch, first_samples(ctx.calibration(), cfg.refit_samples), lambda i: per_layer.get(i, {}), stage,
+             cfg.refit_target, ctx.dtype(model), layers=range(max(per_layer) + 1),
+             label="cross_layer: refitting shared modules")
     return refit
 
 
@@ -189,12 +179,18 @@ def apply(model, cfg: CrossLayerConfig, ctx) -> dict:
     else:
         errors = group_errors(model, arch, groups, cfg.what, ctx.calibration())
         sources = [g[min(range(len(g)), key=lambda k: sum(errors[i][k] for i in g))] for g in groups]
-    originals = {i: part_leaves(arch, i, cfg.what) for g in groups for i in g}  # each layer's own, for the refit
-    for source in sources:
-        if isinstance(source, int) and cfg.refit:  # its modules become the shared ones the refit changes
-            originals[source] = {n: copy.deepcopy(m) for n, m in originals[source].items()}
-    saved = sum(share_group(arch, g, cfg.what, s, gram) for g, s in zip(groups, sources))
+    per_layer: dict[int, dict[str, nn.Module]] = {}  # layer -> full name -> its shared module
+    saved = 0
+    for g, source in zip(groups, sources):
+        shared, n = shared_modules(arch, g, cfg.what, source, gram)
+        if isinstance(source, int) and cfg.refit:  # a copy: the source layer's own modules stay the refit's targets
+            shared = {key: copy.deepcopy(m) for key, m in shared.items()}
+        per_layer |= {i: {f"{arch.layer_name(i)}.{key}": m for key, m in shared.items()} for i in g}
+        saved += n
     report |= {"sources": sources, "params_saved": saved}
     if cfg.refit:
-        report["refit"] = refit_ends(model, arch, groups, originals, ctx)
+        report["refit"] = refit_ends(model, arch, per_layer, cfg, ctx)
+    else:
+        for name, module in ((n, m) for modules in per_layer.values() for n, m in modules.items()):
+            set_module(model, name, module)
     return report | {"trains": [n for g in groups for n in part_leaves(arch, g[0], cfg.what)]}  # the shared modules

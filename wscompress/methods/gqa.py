@@ -24,35 +24,31 @@ are merged on the original model's statistics (the Gram of each attention input,
 ``calibrate`` collects it). With ``refit`` (default) the layers are then taken in order and each
 merged o_proj is re-solved by least squares so that the merged attention's output matches the
 original attention's on the inputs the already-merged layers feed it: o makes up for what the
-merged keys and values lose, as the low-rank methods' refit does (ridge 0.1 toward the folded
-o, the strength k-means' whole-matrix refit chose on held-out text).
+merged keys and values lose (``pipeline/refit.py``, ``ridge`` toward the folded o).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from contextlib import contextmanager
+from typing import Callable, Iterator, Literal
 
 import torch
 from pydantic import Field
 from torch import nn
 
 from ..errors import UsageError
+from ..io.data import first_samples
 from ..model.arch import Arch, discover, distinct, get_module, replace_everywhere, require_unshared, weight_of
-from ..pipeline.layerwise import layerwise
-from ..pipeline.refit import LeastSquares, module_inputs
-from ..recipe.schema import StageConfig
+from ..pipeline.refit import LeastSquares, WeightFit, fit_pass
+from ..recipe.schema import LayerRefit, StageConfig
 from . import register
 
-RIDGE = 0.1  # o_proj's refit: a whole matrix fitted on calibration data overfits without it (see kmeans' refit)
 
-
-class GQAConfig(StageConfig):
+class GQAConfig(StageConfig, LayerRefit):
     method: Literal["gqa"] = "gqa"
     groups: int = Field(ge=1, description="key/value heads after conversion (1: multi-query attention)")
     init: Literal["pca", "mean"] = Field("pca", description="pca: calibrated, keeps the heads' principal components and "
                                          "folds the rest into q/o (see gqa.py); mean: average the heads (data-free)")
-    refit: bool = Field(True, description="pca: re-solve o_proj so the merged attention reproduces the original's "
-                                          "output on the calibration activations")
 
     def projections(self, model: nn.Module, arch: Arch) -> list[dict[str, str]]:
         """Every layer's projections by role, refused where the model cannot take the merge."""
@@ -179,26 +175,24 @@ def _bias(module: nn.Module) -> torch.Tensor | None:
 
 
 @torch.no_grad()
-def merge_layer(model: nn.Module, arch: Arch, i: int, gram: torch.Tensor, groups: int, keys: bool) -> tuple[float, float]:
-    """Layer ``i``'s attention with ``groups`` kv heads by ``merge_values`` (and ``merge_keys``,
-    else mean keys), ``gram`` the Gram of its input; returns the shares of the value and key
-    energy kept (NaN: keys averaged)."""
+def merged_projections(model: nn.Module, arch: Arch, i: int, gram: torch.Tensor, groups: int,
+                       keys: bool) -> tuple[dict[str, nn.Module], float, float]:
+    """Layer ``i``'s projections for ``groups`` kv heads by name, by ``merge_values`` (and
+    ``merge_keys``, else mean keys), ``gram`` the Gram of its input, and the shares of the value
+    and key energy kept (NaN: keys averaged). The model is not changed."""
     roles = arch.projections(i)
     q, k, v, o = (get_module(model, roles[r]) for r in "qkvo")
     heads, kv = arch.num_heads, arch.num_kv_heads
     gram = gram.to(weight_of(k).device)
     new_v, new_bv, new_o, kept_v = merge_values(weight_of(v), _bias(v), weight_of(o), gram, heads, groups)
-    replace_everywhere(model, v, linear(new_v, new_bv, weight_of(v)))
-    replace_everywhere(model, o, linear(new_o, _bias(o), weight_of(o)))
+    new = {roles["v"]: linear(new_v, new_bv, weight_of(v)), roles["o"]: linear(new_o, _bias(o), weight_of(o))}
     kept_k = float("nan")
     if keys:
         new_k, new_bk, new_q, new_bq, kept_k = merge_keys(weight_of(k), _bias(k), weight_of(q), _bias(q), gram, heads, groups)
-        replace_everywhere(model, k, linear(new_k, new_bk, weight_of(k)))
-        replace_everywhere(model, q, linear(new_q, new_bq, weight_of(q)))
+        new[roles["k"]], new[roles["q"]] = linear(new_k, new_bk, weight_of(k)), linear(new_q, new_bq, weight_of(q))
     else:
-        replace_everywhere(model, k, pool_heads(k, kv, groups))
-    set_kv_heads(model, arch, i, groups)
-    return kept_v, kept_k
+        new[roles["k"]] = pool_heads(k, kv, groups)
+    return new, kept_v, kept_k
 
 
 def set_kv_heads(model: nn.Module, arch: Arch, i: int, groups: int) -> None:
@@ -210,14 +204,29 @@ def set_kv_heads(model: nn.Module, arch: Arch, i: int, groups: int) -> None:
         attn.num_key_value_heads = groups
 
 
-@torch.no_grad()
-def refit_o(o: nn.Module, original: nn.Module, merged: list[torch.Tensor], reference: list[torch.Tensor]) -> None:
-    """o's weight re-solved in place (``pipeline.refit.LeastSquares``, λ = RIDGE, toward the folded
-    weight): ``merged`` the merged attention's contexts, ``reference`` the original's on the
-    same layer inputs, its target the original o_proj."""
-    fit = LeastSquares(o.weight, RIDGE)
-    fit.add(weight_of(original), merged, reference)
-    o.weight.copy_(fit.solve())
+def refit_o(model: nn.Module, arch: Arch, projections: list[dict[str, str]], build: Callable[[int], dict[str, nn.Module]],
+            cfg: GQAConfig, ctx) -> None:
+    """Swap the merged projections in layer by layer (``build``; ``pipeline.refit.fit_pass``)
+    and re-solve each merged o_proj for the original o_proj's target on what the merged
+    attention feeds it, toward the folded o."""
+    o_names = {roles["o"] for roles in projections}
+
+    def stage(modules: dict[str, nn.Module], weights: dict[str, torch.Tensor], same: bool, _dtype) -> WeightFit | None:
+        (name, o), *more = modules.items()
+        if more or name not in o_names:
+            return None
+        return WeightFit(weights[name], same, LeastSquares(weight_of(o), cfg.ridge), lambda fit: fit.write(o))
+
+    @contextmanager
+    def original_heads(i: int) -> Iterator[None]:  # the original attention reads all its kv heads
+        set_kv_heads(model, arch, i, arch.num_kv_heads)
+        try:
+            yield
+        finally:
+            set_kv_heads(model, arch, i, cfg.groups)
+
+    fit_pass(model, arch, first_samples(ctx.calibration(), cfg.refit_samples), build, stage, cfg.refit_target,
+             ctx.dtype(model), as_original=original_heads, label="gqa (o_proj refit)")
 
 
 @register(GQAConfig, whole_model=True)
@@ -240,17 +249,20 @@ def apply(model, cfg: GQAConfig, ctx) -> dict:
         # (protocol, 3 -> 1 kv heads, wiki.test / brown: without refit 98.89 / 175.11 against
         # 120.35 / 190.73; with it 56.19 / 120.11 against 55.68 / 121.61, for a Gram less a layer).
         stats = ctx.stats(model, [roles["k"] for roles in projections])
-        why_not, dtype, kept = _keys_by_pca(arch), ctx.dtype(model), []
+        why_not, kept = _keys_by_pca(arch), []
+
+        def build(i: int) -> dict[str, nn.Module]:
+            new, *energy = merged_projections(model, arch, i, stats.of(projections[i]["k"]), cfg.groups, why_not is None)
+            kept.append(energy)
+            set_kv_heads(model, arch, i, cfg.groups)  # the merged attention reads fewer kv heads
+            return new
+
         if not cfg.refit:
-            kept = [merge_layer(model, arch, i, stats.of(roles["k"]), cfg.groups, why_not is None)
-                    for i, roles in enumerate(projections)]
+            for i in range(arch.num_layers):
+                for name, module in build(i).items():
+                    replace_everywhere(model, get_module(model, name), module)
         else:  # layer by layer, each o_proj refit on what the merged layers before feed it
-            for i, layer, inputs in layerwise(model, ctx.calibration(), arch, "gqa (o_proj refit)", dtype):
-                o = get_module(model, projections[i]["o"])
-                reference = module_inputs(layer, inputs, o, dtype)  # the original attention's
-                kept.append(merge_layer(model, arch, i, stats.of(projections[i]["k"]), cfg.groups, why_not is None))
-                merged = get_module(model, projections[i]["o"])
-                refit_o(merged, o, module_inputs(layer, inputs, merged, dtype), reference)
+            refit_o(model, arch, projections, build, cfg, ctx)
         report |= {"refit": cfg.refit, "value_energy_kept": round(sum(v for v, _ in kept) / len(kept), 4),
                    "key_energy_kept": "keys averaged: " + why_not if why_not else round(sum(k for _, k in kept) / len(kept), 4)}
     model.config.num_key_value_heads = cfg.groups

@@ -33,16 +33,16 @@ from ..io import ui
 from ..io.data import first_samples
 from ..io.offload import offload_of
 from ..maths.clustering import Init, assign, cluster
-from ..maths.linalg import add_gram, add_product, solve_coefficients, symmetrize
+from ..maths.linalg import solve_coefficients
 from ..model.arch import LINEAR_TYPES, Conv1D, dims_of, discover, distinct, match_modules, replace_everywhere, weight_of
 from ..model.modeling_wscompress import CodebookDtype, PalettizedEmbedding, PalettizedLinear, entropy
-from ..pipeline.refit import Target, fit_pass
+from ..pipeline.refit import Sums, fit_pass
 from ..pipeline.stats import SharedGrams
-from ..recipe.schema import TargetedStage
+from ..recipe.schema import LayerRefit, TargetedStage
 from . import register
 
 
-class KMeansConfig(TargetedStage):
+class KMeansConfig(TargetedStage, LayerRefit):
     """Palettize linear layers (default: every linear of the decoder layers)."""
 
     method: Literal["kmeans"] = "kmeans"
@@ -60,16 +60,6 @@ class KMeansConfig(TargetedStage):
     error_feedback: bool = Field(True, description="choose indices column by column, pushing each column's error "
                                                    "onto the next ones through the inverse Gram matrix (GPTQ)")
     damp: float = Field(0.01, gt=0, description="error feedback: Gram dampening, relative to its mean diagonal")
-    refit: bool = Field(True, description="palettize layer by layer on the inputs the compressed model itself feeds "
-                                          "each module, fitted to refit_target (error compensation, see pipeline/refit.py)")
-    refit_target: Target = Field("layer", description="refit: what each module's output is fitted to: the original "
-                                 "layer's, fed the same layer input (layer), the original module on its compressed "
-                                 "inputs (function, GPTQ's sequential mode) or the original model's (model)")
-    refit_samples: int | None = Field(None, gt=0, description="refit: the first N calibration sequences (default: all)")
-    ridge: float = Field(0.1, ge=0, description="refit: ridge toward the original weight in the best weight on the "
-                                                "compressed inputs, relative to the mean diagonal of their Gram matrix "
-                                                "(stronger than the low-rank refit's: a whole weight matrix, not k "
-                                                "coefficients a row, overfits a small calibration set)")
     outliers: float = Field(0.0025, ge=0, lt=0.5, description="fraction of the most sensitive weights kept aside "
                                                               "in a sparse fp16 tensor instead of the codebook")
     codebook_dtype: CodebookDtype = Field("float16", description="dtype the codebooks (and outliers) are stored in")
@@ -206,22 +196,19 @@ class _Palettize:
 
     def __init__(self, modules: dict[str, nn.Module], weights: dict[str, torch.Tensor], same: bool, _dtype: torch.dtype,
                  cfg: KMeansConfig, rows: list[dict]):
-        self.modules, self.weights, self.same, self.cfg, self.rows = modules, weights, same, cfg, rows
-        self.gram: torch.Tensor | None = None
-        self.cross: torch.Tensor | None = None
+        self.modules, self.weights, self.cfg, self.rows = modules, weights, cfg, rows
+        self.sums = Sums(same)
 
     def add(self, x: torch.Tensor, x_ref: torch.Tensor | None) -> None:
-        self.gram = add_gram(self.gram, x)
-        if not self.same:
-            self.cross = add_product(self.cross, x_ref, x)
+        self.sums.add(x, x_ref)
 
     def finish(self) -> tuple[dict[str, nn.Module], dict[str, torch.Tensor]]:
-        gram = symmetrize(self.gram)
+        gram, cross = self.sums.gram(), self.sums.cross
         new = {}
         for name, module in self.modules.items():
             w = self.weights[name]
-            best = w if self.cross is None else \
-                solve_coefficients(gram, w.double() @ self.cross.to(w.device), self.cfg.ridge, w).to(w.dtype)
+            best = w if cross is None else \
+                solve_coefficients(gram, w.double() @ cross.to(w.device), self.cfg.ridge, w).to(w.dtype)
             new[name] = palettize(module, self.cfg, gram, best)
             self.rows.append(layer_report(name, w, new[name]))
         return new, {}

@@ -31,22 +31,22 @@ from pydantic import Field
 from torch import nn
 
 from ..errors import UsageError
+from ..io.data import first_samples
 from ..model.arch import Arch, discover, set_module, weight_of
 from ..pipeline.layerwise import LayerInputs, layerwise, run_layer
 from ..pipeline.refit import LeastSquares
+from ..recipe.schema import Refit
 from . import register
-from ._sharing import FIT_RIDGE, WindowStage, leaves
+from ._sharing import WindowStage, leaves
 
 
-class MergeDropConfig(WindowStage):
+class MergeDropConfig(WindowStage, Refit):
     method: Literal["merge_drop"] = "merge_drop"
     search: bool = Field(True, description="place the windows (n, num_windows) where the hidden state's angle "
                                            "changes least from a window's input to its output on the calibration "
                                            "text, the last layer kept; a start or groups given place them instead")
     init: Literal["first", "mean"] = Field("first", description="the kept layer: the window's first layer (the others "
                                                                 "dropped), or the element-wise mean of its layers")
-    refit: bool = Field(True, description="re-solve the kept layer's down projection so the layer reproduces the "
-                                          "window's output on the calibration inputs (one pass over them)")
 
     def check(self, model: nn.Module) -> None:
         arch = discover(model)
@@ -121,11 +121,13 @@ def searched_windows(distances: dict[int, float], n: int, count: int) -> list[li
 
 
 @torch.no_grad()
-def refit_down(model: nn.Module, windows: list[list[int]], kept: dict[int, nn.Module], batches: list[torch.Tensor]) -> None:
+def refit_down(model: nn.Module, windows: list[list[int]], kept: dict[int, nn.Module], batches: list[torch.Tensor],
+               ridge: float) -> None:
     """For each window, the down projection of its kept layer (``kept``: first layer -> the new
-    layer, not yet in the model) solved, ridge toward itself, so that on the window's calibration
-    inputs the layer's output matches the original window's: the wanted down output is
-    D + (Y − O), D its current output, O the layer's output and Y the window's."""
+    layer, not yet in the model) solved, ``ridge`` toward itself (``pipeline.refit.LeastSquares``),
+    so that on the window's calibration inputs the layer's output matches the original window's:
+    the wanted down output is D + (Y − O), D its current output, O the layer's output and Y the
+    window's. Not ``fit_pass``: the target is a window of layers, not a module of one."""
     arch = discover(model)
     ends = {w[-1]: w[0] for w in windows}
     entering: dict[int, LayerInputs] = {}
@@ -138,17 +140,16 @@ def refit_down(model: nn.Module, windows: list[list[int]], kept: dict[int, nn.Mo
             new, window_in = kept[start], entering.pop(start)
             down = new.get_submodule(arch.projections(start)["down"].removeprefix(arch.layer_name(start) + "."))
             bias = 0 if getattr(down, "bias", None) is None else down.bias
-            fit, seen = LeastSquares(weight_of(down), FIT_RIDGE), {}
+            fit, seen = LeastSquares(weight_of(down), ridge), {}
             hook = down.register_forward_hook(lambda _m, args, out: seen.update(x=args[0], y=out))
             try:
                 for want, hidden, (args, kwargs) in zip(inputs.outputs, window_in.hidden, window_in.calls):
                     out = new(hidden, *args, **kwargs)
                     out = out[0] if isinstance(out, tuple) else out
-                    fit.add_outputs([seen["x"].flatten(0, -2)], [(seen["y"] + want - out - bias).flatten(0, -2)])
+                    fit.add_outputs(seen["x"].flatten(0, -2), (seen["y"] + want - out - bias).flatten(0, -2))
             finally:
                 hook.remove()
-            weight = weight_of(down)
-            weight.copy_(fit.solve().to(weight.dtype))
+            fit.write(down)
         if i == max(ends):
             break  # the layers after the windows need no outputs
 
@@ -169,7 +170,7 @@ def apply(model, cfg: MergeDropConfig, ctx) -> dict:
         if cfg.init == "mean":
             average_layers([kept[w[0]]] + [arch.layers[i] for i in w[1:]])
     if cfg.refit:
-        refit_down(model, windows, kept, ctx.calibration())
+        refit_down(model, windows, kept, first_samples(ctx.calibration(), cfg.refit_samples), cfg.ridge)
         for start, layer in kept.items():
             set_module(model, arch.layer_name(start), layer)
     dropped = {i for w in windows for i in w[1:]}

@@ -30,7 +30,7 @@ runs on those only: on a 262k vocabulary it would cost more than the rest of the
 
 from __future__ import annotations
 
-from typing import Iterator, Literal
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -38,14 +38,15 @@ from pydantic import Field
 from torch import nn
 
 from ..errors import UsageError
+from ..io.data import first_samples
 from ..io.offload import model_device, offload_of
 from ..maths.linalg import low_rank, ridged, truncation_by_iteration
-from ..model.arch import Arch, Conv1D, discover, get_module, require_unshared, set_module, weight_of
+from ..model.arch import Arch, Conv1D, discover, get_module, require_unshared, set_module
 from ..model.modeling_wscompress import LowRankDeltaLinear
-from ..pipeline.layerwise import LayerInputs, layerwise, start_at
-from ..pipeline.refit import LeastSquares, module_inputs, originals_in
+from ..pipeline.layerwise import layerwise, start_at
+from ..pipeline.refit import LeastSquares, WeightFit, fit_pass
 from ..pipeline.stats import Stats
-from ..recipe.schema import StageConfig
+from ..recipe.schema import LayerRefit, StageConfig
 from . import register
 from ._sharing import (
     FIT_RIDGE,
@@ -60,7 +61,7 @@ from ._sharing import (
 )
 
 
-class SoftShareConfig(StageConfig):
+class SoftShareConfig(StageConfig, LayerRefit):
     method: Literal["soft_share"] = "soft_share"
     window: int = Field(4, ge=2, description="consecutive layers sharing one FFN base")
     rank: int = Field(16, ge=1, description="rank of each layer's delta A_l B_l")
@@ -81,10 +82,6 @@ class SoftShareConfig(StageConfig):
     whitening: bool = Field(True, description="true (default): deltas by whitened SVD on each layer's input Gram "
                                               "(activation-aware); false: plain SVD of W_l - W_c. On the protocol the "
                                               "whitened deltas won on wiki.test and on brown.txt")
-    refit: bool = Field(True, description="re-solve the down projections (the shared base and every delta), "
-                                          "layers in order, on the soft-shared model's own activations (one more "
-                                          "pass over the calibration set); on the protocol it won on wiki.test and "
-                                          "on brown.txt")
 
     def ffn_names(self, model: nn.Module, arch: Arch) -> list[str]:
         """Every layer's FFN projections, refused where the windows do not fit the model, it has no
@@ -228,27 +225,28 @@ def shared_plus_deltas(targets: list[torch.Tensor], metrics: list[torch.Tensor],
     return c, factors
 
 
-@torch.no_grad()
-def refit_down_projections(model: nn.Module, arch: Arch, originals: dict[int, dict[str, nn.Module]],
-                           stream: Iterator[tuple[int, nn.Module, LayerInputs]], dtype: torch.dtype,
-                           iters: int = 20) -> None:
-    """Layers in order (``stream``: ``pipeline.layerwise`` over the calibration batches): each
-    window's down projections (shared base and every delta so far) re-solved for the original
-    layers' down outputs on the inputs they now read (``originals``: layer -> name -> the module
-    it replaced), by ``shared_plus_deltas`` (``iters`` alternations) over the window's members
-    so far, so the last member's solve uses them all (as cross_layer's refit)."""
-    last = max(originals)
-    members: dict[int, list[tuple[LowRankDeltaLinear, torch.Tensor, torch.Tensor]]] = {}  # base -> (module, M, H)
-    for i, layer, inputs in stream:
-        if i in originals:
-            name = ffn_names(arch, i, "soft_share")["down"]
-            now = {n: get_module(model, n) for n in originals[i]}
-            with originals_in(model, originals[i], now):  # the original layer, for the target
-                reference = module_inputs(layer, inputs, originals[i][name], dtype)
-            module = now[name]
-            fit = LeastSquares(module.dense_weight(), FIT_RIDGE)
-            fit.add(weight_of(originals[i][name]), module_inputs(layer, inputs, module, dtype), reference)
-            window = members.setdefault(id(module.base), [])
+def refit_down_projections(model: nn.Module, arch: Arch, built: dict[str, nn.Module], batches: list[torch.Tensor],
+                           cfg: SoftShareConfig, dtype: torch.dtype, iters: int = 20, first: int = 0,
+                           hidden: list[torch.Tensor] | None = None) -> None:
+    """Swap the ``built`` soft-shared modules in (name -> module; the model holds the
+    originals) layer by layer (``pipeline.refit.fit_pass``, from layer ``first``, fed
+    ``hidden``) and re-solve each window's down projections: every member's least-squares
+    weight for its original down projection's target, on the inputs it now reads, and the
+    shared base and the deltas so far solved together for them (``shared_plus_deltas``,
+    ``iters`` alternations), so the last member's solve uses them all."""
+    by_layer: dict[int, dict[str, nn.Module]] = {}
+    for name, module in built.items():
+        by_layer.setdefault(arch.layer_of(name), {})[name] = module
+    downs = {ffn_names(arch, i, "soft_share")["down"] for i in by_layer}
+    windows: dict[int, list[tuple[LowRankDeltaLinear, torch.Tensor, torch.Tensor]]] = {}  # base -> (module, M, H)
+
+    def stage(modules: dict[str, nn.Module], weights: dict[str, torch.Tensor], same: bool, _dtype) -> WeightFit | None:
+        (name, module), *more = modules.items()
+        if more or name not in downs:
+            return None
+        window = windows.setdefault(id(module.base), [])
+
+        def write(fit: LeastSquares) -> None:
             window.append((module, fit.solve(), fit.metric()))
             base, factors = shared_plus_deltas([m for _, m, _ in window], [h for _, _, h in window], module.rank,
                                                module.base.weight, iters)
@@ -256,8 +254,10 @@ def refit_down_projections(model: nn.Module, arch: Arch, originals: dict[int, di
             for (member, _, _), (left, right) in zip(window, factors):
                 member.a.copy_(left)
                 member.b.copy_(right)
-        if i == last:
-            break  # the layers after the windows need no outputs
+        return WeightFit(weights[name], same, LeastSquares(module.dense_weight(), cfg.ridge), write)
+
+    fit_pass(model, arch, batches, lambda i: by_layer.get(i, {}), stage, cfg.refit_target, dtype,
+             layers=range(first, max(by_layer) + 1), hidden=hidden, label="soft_share: refitting the down projections")
 
 
 def place(model: nn.Module, modules: dict[str, nn.Module]) -> dict[str, nn.Module]:
@@ -266,12 +266,6 @@ def place(model: nn.Module, modules: dict[str, nn.Module]) -> dict[str, nn.Modul
     for n, m in modules.items():
         set_module(model, n, m)
     return old
-
-
-def by_layer(arch: Arch, replaced: dict[str, nn.Module], layers: range | list[int]) -> dict[int, dict[str, nn.Module]]:
-    """Layer -> name -> the module ``place`` replaced, for the FFN projections of ``layers``
-    (what ``refit_down_projections`` takes)."""
-    return {i: {n: replaced[n] for n in ffn_names(arch, i, "soft_share").values()} for i in layers}
 
 
 def search_batches(cfg: SoftShareConfig, batches: list[torch.Tensor]) -> tuple[list, list, torch.Tensor]:
@@ -287,7 +281,7 @@ def search_batches(cfg: SoftShareConfig, batches: list[torch.Tensor]) -> tuple[l
     return scored, fit if cfg.refit else [], positions
 
 
-def search(model: nn.Module, planner: Planner, candidates: list[int], window: int, scored: list[torch.Tensor],
+def search(model: nn.Module, planner: Planner, candidates: list[int], cfg: SoftShareConfig, scored: list[torch.Tensor],
            positions: torch.Tensor, fit: list[torch.Tensor], dtype: torch.dtype) -> tuple[int, dict[int, float]]:
     """The start whose window, soft-shared, gives the lowest sampled NLL on the ``scored``
     batches (model restored). Each candidate is built without the joint solve and, given
@@ -297,18 +291,19 @@ def search(model: nn.Module, planner: Planner, candidates: list[int], window: in
     28 %), so a search before it picks the wrong window. One pass of the original model brings
     every batch to each candidate's first layer in turn (memory: one layer's hidden states);
     a candidate runs from there."""
-    arch = planner.arch
+    arch, window = planner.arch, cfg.window
     scores = {}
     for i, _layer, inputs in layerwise(model, scored + fit, arch, "soft_share: searching the window"):
         if i > max(candidates):
             break
         if i not in candidates:
             continue
-        old = place(model, planner.build(i, window, joint=False))
+        built = planner.build(i, window, joint=False)
+        old = {n: get_module(model, n) for n in built}
         if fit:
-            stream = layerwise(model, fit, arch, "soft_share: refitting a candidate", dtype, first=i,
-                               hidden=inputs.hidden[len(scored):])
-            refit_down_projections(model, arch, by_layer(arch, old, range(i, i + window)), stream, dtype, iters=1)
+            refit_down_projections(model, arch, built, fit, cfg, dtype, iters=1, first=i, hidden=inputs.hidden[len(scored):])
+        else:
+            place(model, built)
         with start_at(arch, i, inputs.hidden[: len(scored)]):
             scores[i] = sampled_nll(model, scored, positions)
         place(model, old)
@@ -339,14 +334,12 @@ def apply(model, cfg: SoftShareConfig, ctx) -> dict:
             if not free:  # the greedy placement left only gaps shorter than a window
                 raise UsageError(f"soft_share: the searched windows {starts} leave no room for another of {cfg.window} layers",
                                  "give the windows' first layers explicitly with starts, or use fewer windows")
-            best, scores = search(model, planner, free, cfg.window, scored, positions, fit, ctx.dtype(model))
+            best, scores = search(model, planner, free, cfg, scored, positions, fit, ctx.dtype(model))
             starts.append(best)
             originals.update(place(model, planner.build(best, cfg.window)))
-    if cfg.refit:
-        dtype = ctx.dtype(model)
-        stream = layerwise(model, ctx.calibration(), arch, "soft_share: refitting the down projections", dtype)
-        members = by_layer(arch, originals, [i for s in starts for i in range(s, s + cfg.window)])
-        refit_down_projections(model, arch, members, stream, dtype)
+    if cfg.refit:  # the originals back, for the refit to swap the windows in layer by layer
+        refit_down_projections(model, arch, place(model, originals), first_samples(batches, cfg.refit_samples), cfg,
+                               ctx.dtype(model))
     return {"windows": [list(range(s, s + cfg.window)) for s in starts], "rank": cfg.rank, "base": cfg.base,
             "whitening": cfg.whitening, "refit": cfg.refit,
             "search_nll": {str(k): round(v, 4) for k, v in scores.items()}}

@@ -21,15 +21,15 @@ from ..maths.allocation import Unit, allocate, spectrum
 from ..maths.linalg import low_rank, rank_for_ratio
 from ..model.arch import Arch, dims_of, discover, distinct, get_module, match_modules, replace_everywhere, weight_of
 from ..model.modeling_wscompress import LowRankLinear
-from ..pipeline.refit import Target, refit_pass
+from ..pipeline.refit import refit_pass
 from ..pipeline.stats import SharedGrams
-from ..recipe.schema import TargetedStage
+from ..recipe.schema import LayerRefit, TargetedStage
 from . import register
 
 Allocation = Literal["uniform", "fisher"]
 
 
-class LowRankConfig(TargetedStage):
+class LowRankConfig(TargetedStage, LayerRefit):
     """Options common to the SVD-family stages."""
 
     ratio: float = Field(0.2, gt=0, lt=1, description="fraction of the targets' parameters to remove")
@@ -37,17 +37,9 @@ class LowRankConfig(TargetedStage):
     allocation: Allocation = Field("fisher", description="uniform: every matrix loses `ratio`; fisher: one "
                                    "budget, ranks where they cost the model's loss least (see allocation.py)")
     sensitivity_samples: int = Field(16, gt=0, description="fisher: calibration sequences for the sensitivities")
-    refit: bool = Field(True, description="re-solve coefficients on the compressed model's own activations (error "
-                                          "compensation, see pipeline/refit.py); on by default (not for plain SVD, which "
-                                          "stays data-free): it won at every ratio on both texts of the protocol")
-    refit_samples: int | None = Field(None, gt=0, description="refit: the first N calibration sequences it fits "
-                                      "on (default: all)")
     ridge: float = Field(1e-3, ge=0, description="refit: ridge toward the unrefit coefficients, relative to the "
-                                                  "mean diagonal of B·G·Bᵀ")
-    refit_target: Target = Field("layer", description="refit: what each module's output is fitted to: the "
-                                 "original layer's, fed the same layer input (layer; it won at every ratio of "
-                                 "the protocol), the original module on its compressed inputs (function, the "
-                                 "official update) or the original model's (model)")
+                                                  "mean diagonal of B·G·Bᵀ (weaker than for whole weights: k "
+                                                  "coefficients a row do not overfit the calibration set)")
 
     @model_validator(mode="after")
     def _ratio_or_rank(self):

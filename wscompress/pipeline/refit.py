@@ -1,15 +1,27 @@
-"""Error compensation for low-rank stages: once a layer's modules are factorised, re-solve each
-module's coefficients (its basis stays fixed) on the inputs the compressed model itself feeds
+"""The one refit pass every method uses: once a layer's modules are compressed (factorised,
+palettized, shared, merged), each is re-solved on the inputs the compressed model itself feeds
 it, so the errors of earlier modules are absorbed instead of compounded (SVD-LLM's update step,
-which the Basis Sharing code applies from 40 %).
+GPTQ's sequential mode, the refit of shared and merged weights).
 
-For a module with original weight W, basis B, coefficients C₀, inputs X' in the compressed
-model and reference inputs X, with G = X'ᵀX' and H = XᵀX' (float64):
+``fit_pass`` takes the layers in order. ``build(i)`` gives layer i's new modules, which are
+swapped in; inside the layer the modules go in forward order (q/k/v, o, gate/up, down), one
+stage per group reading one input, each fitted on inputs that already reflect the stages
+before it. A stage's fit (``Fit``) sums what it needs over the calibration batches and then
+solves: ``WeightFit`` for a whole weight (a shared, merged or delta-coded linear; the solution
+may be summed over the layers that share it), ``_Normals`` for low-rank coefficients, and
+k-means palettizes on the same sums. The options (``recipe.schema.Refit``) are named once.
+
+For a module with original weight W, inputs X' in the compressed model and reference inputs X,
+with G = X'ᵀX' and H = XᵀX' (float64), a whole weight is
+
+    W̃ = argmin ‖X'·W̃ᵀ − X·Wᵀ‖² + λ‖W̃ − W₀‖² = (W·H + λ·W₀)·(G + λ·I)⁻¹
+
+and low-rank coefficients C of a fixed basis B (start C₀) are
 
     C = argmin ‖X'·Bᵀ·Cᵀ − X·Wᵀ‖² + λ‖C − C₀‖² = (W·H·Bᵀ + λ·C₀)·(B·G·Bᵀ + λ·I)⁻¹
 
-with a ridge that pulls toward the coefficients it had (λ = ridge · tr(B·G·Bᵀ) / k; ridge → ∞
-keeps C₀). The ``target`` says what X is:
+with a ridge that pulls toward what it had (λ = ridge × the mean diagonal of the quadratic
+form; ridge → ∞ keeps it). The ``target`` says what X is:
 
 - ``function`` (the official update): X = X', the original module's function on the compressed
   model's own activations; each module answers for its own error only.
@@ -22,248 +34,110 @@ keeps C₀). The ``target`` says what X is:
 On the protocol (scripts/bench_protocol.py) ``layer`` wins at every ratio on both texts, and
 ``model`` loses to ``function``: a low-rank module cannot undo the drift of all layers before
 it, and chasing it costs fit on the inputs it does see. ``layer`` and ``model`` run the original
-layer too, so the pass takes about twice as long as with ``function``.
-
-Layers go in order and, inside a layer, modules in forward order (q/k/v, o, gate/up, down),
-each fitted on inputs that already reflect the refits before it. Each stage runs the layer only
-as far as its modules' input, and a block whose modules are all refit (the attention block once
-o is) is replayed after: its input and weights no longer change. A block that one module ends
-(o, down) is recorded by that module's own stage and corrected by its coefficient change, so
-it is never run again; others are recorded the first time a later stage runs them. One
-layer's activations (two with ``model``), its block outputs and one module's matrices are
-held at a time.
+layer too, so the pass takes about twice as long as with ``function``. What keeps the pass
+from running a layer more than it must (each stage runs the layer only as far as its input;
+finished blocks are replayed) is in ``replay.py``: one layer's activations (two with
+``model``), its block outputs and one module's matrices are held at a time.
 """
 
 from __future__ import annotations
 
-from contextlib import ExitStack, contextmanager
-from typing import Callable, Collection, Iterable, Iterator, Literal, Protocol
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Callable, Iterator, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ..io.offload import offload_of
 from ..maths.linalg import add_gram, add_product, refit_coefficients, ridged, solve_coefficients, symmetrize
 from ..model.arch import Arch, get_module, replace_everywhere, set_module, weight_of
-from .layerwise import LayerInputs, Stub, computing_in, layerwise, run_layer
-
-Target = Literal["function", "layer", "model"]
-
-
-class _Seen(Exception):
-    """Raised to end a layer's forward once the input being recorded has been read."""
+from ..recipe.schema import Target
+from .layerwise import LayerInputs, computing_in, layerwise, run_layer
+from .replay import Ends, FirstInput, Replays
 
 
-class FirstInput:
-    """Runs a layer on one batch only as far as ``modules`` (name -> module) read their first
-    input: which of them read it (in forward order) and that input, as (tokens, d). On the
-    first batch the forward ends where one of ``modules`` reads another tensor, which is how
-    the group reading the input is found; on later batches it ends as soon as the input is
-    read. What comes after is not needed (the refit of a layer's first modules costs almost no
-    compute)."""
+class Sums:
+    """G = X'ᵀX' of what a stage's modules read in the compressed model and, unless the target
+    reads the same (``same``), H = XᵀX', summed over batches in float64."""
 
-    def __init__(self, modules: dict[str, nn.Module]):
-        self.modules = modules
-        self.names: list[str] = []
-        self.x: torch.Tensor | None = None
-        self.through = False  # later batches run on (to where an _Ends stops them)
+    def __init__(self, same: bool):
+        self.same = same
+        self._gram: torch.Tensor | None = None  # lower triangle (``add_gram``)
+        self.cross: torch.Tensor | None = None
 
-    def _hook(self, name: str):
-        def hook(_module, args):
-            x = args[0]
-            if self.x is None:
-                self.x = x
-                if self.names and not self.through:  # the group is known: the forward reaches its input in the same order
-                    raise _Seen
-            if x.data_ptr() != self.x.data_ptr():
-                raise _Seen
-            if name not in self.names:
-                self.names.append(name)
-        return hook
+    def add(self, x: torch.Tensor, x_ref: torch.Tensor | None) -> None:
+        self._gram = add_gram(self._gram, x)
+        if not self.same:
+            self.cross = add_product(self.cross, x_ref, x)
 
-    def __call__(self, layer: nn.Module, hidden: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
-        self.x = None
-        with ExitStack() as stack:
-            for name, module in self.modules.items():
-                stack.callback(module.register_forward_pre_hook(self._hook(name)).remove)
-            try:
-                layer(hidden, *args, **kwargs)
-            except _Seen:
-                pass
-        x, self.x = self.x, None
-        return x.reshape(-1, x.shape[-1])
-
-
-@torch.no_grad()
-def module_inputs(layer: nn.Module, inputs: LayerInputs, module: nn.Module, dtype: torch.dtype | None) -> list[torch.Tensor]:
-    """``module``'s input for every batch of ``inputs``, (tokens, d): the layer runs, in
-    ``dtype``, only as far as the module (``FirstInput``)."""
-    reader = FirstInput({"module": module})
-    with computing_in(layer, dtype):
-        return [reader(layer, hidden, args, kwargs) for hidden, (args, kwargs) in zip(inputs.hidden, inputs.calls)]
+    def gram(self) -> torch.Tensor:
+        return symmetrize(self._gram)
 
 
 class LeastSquares:
-    """A linear's weight refit by ridge least squares, W̃ = argmin Σ ‖X'·W̃ᵀ − X·Wᵀ‖² + λ‖W̃ − W₀‖²:
-    X' what it reads in the compressed model, X what the original it stands for reads, W that
-    original's weight. The sum runs over batches and, for a weight that several layers share,
-    over those layers, each with its own W. Normal equations in float64; λ = ridge × mean
-    diagonal of X'ᵀX', toward ``prior`` W₀."""
+    """The normal equations of a linear's whole weight, W̃ = argmin Σ ‖X'·W̃ᵀ − X·Wᵀ‖² + λ‖W̃ − W₀‖²
+    (module docstring), summed over batches and, for a weight that several layers share, over
+    those layers, each with its own W; λ = ridge × mean diagonal of Σ X'ᵀX', toward ``prior`` W₀."""
 
     def __init__(self, prior: torch.Tensor, ridge: float):
         self.prior, self.ridge = prior.detach().clone(), ridge
         self.gram: torch.Tensor | None = None
         self.r: torch.Tensor | None = None
 
-    def add(self, weight: torch.Tensor, x: list[torch.Tensor], x_ref: list[torch.Tensor]) -> None:
-        cross = None
-        for a, b in zip(x, x_ref):
-            self.gram, cross = add_gram(self.gram, a), add_product(cross, b, a)
-        r = weight.detach().double() @ cross.to(weight.device)
+    def add(self, weight: torch.Tensor, sums: Sums) -> None:
+        """One member's sums, its original weight ``weight`` the target."""
+        gram = sums.gram()
+        r = weight.detach().double() @ (gram if sums.cross is None else sums.cross).to(weight.device)
+        self.gram = gram if self.gram is None else self.gram + gram
         self.r = r if self.r is None else self.r + r
 
-    def add_outputs(self, x: list[torch.Tensor], target: list[torch.Tensor]) -> None:
-        """Batches whose wanted outputs ``target`` (rows) are given, not an original's weight."""
-        for a, t in zip(x, target):
-            self.gram, self.r = add_gram(self.gram, a), add_product(self.r, t, a)
+    def add_outputs(self, x: torch.Tensor, target: torch.Tensor) -> None:
+        """A batch whose wanted outputs ``target`` (rows) are given, not an original's weight."""
+        self.gram = add_gram(self.gram, x)
+        self.r = add_product(self.r, target, x)
+        self.gram = symmetrize(self.gram)
 
     def solve(self) -> torch.Tensor:
-        return solve_coefficients(symmetrize(self.gram), self.r, self.ridge, self.prior)
+        return solve_coefficients(self.gram, self.r, self.ridge, self.prior)
+
+    def write(self, module: nn.Module) -> None:
+        """The solution into ``module``'s weight, in its dtype."""
+        weight = weight_of(module)
+        weight.copy_(self.solve().to(weight.dtype))
 
     def metric(self) -> torch.Tensor:
         """H = X'ᵀX' + λ·I, which measures any weight's loss above the solution's, the ridge
         term included: loss(W) − loss(solve()) = tr((W − M)·H·(W − M)ᵀ)."""
-        return ridged(symmetrize(self.gram), self.ridge)[0]
+        return ridged(self.gram, self.ridge)[0]
 
 
-class _Saved(Stub):
-    """Returns a recorded output instead of computing its module."""
+class Fit(Protocol):
+    """One stage of ``fit_pass``: the modules reading one input, fitted once every batch's
+    input has been summed."""
 
-    def __init__(self, module: nn.Module, out: object):
-        super().__init__(module)
-        self.out = out
+    def add(self, x: torch.Tensor, x_ref: torch.Tensor | None) -> None:
+        """One batch: what the modules read in the compressed model and in the target (None: the same)."""
 
-    def forward(self, *_args, **_kwargs) -> object:
-        return _copy(self.out)  # a copy: the layer may change what it gets in place
-
-
-def _copy(out: object) -> object:
-    return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, out)
+    def finish(self) -> tuple[dict[str, nn.Module], dict[str, torch.Tensor]]:
+        """Fit: (modules that replace the stage's modules, coefficient changes of those kept)."""
 
 
-class _Replays:
-    """Outputs of a layer's blocks (its direct children, e.g. the attention block) whose
-    compressed modules are all refit, recorded the first time a stage runs them and replayed by
-    the stages after, one per stream ("compressed", "original") and batch. Their inputs do not
-    change either: a block that has finished ran wholly before the modules still pending."""
+class WeightFit:
+    """The ``Fit`` of one module's whole weight: sums the stage's batches, adds them to ``solver``
+    with ``weight`` (the original's) as the target, and calls ``write`` with it, which puts the
+    solution where it belongs (a weight several layers share, a base and its deltas)."""
 
-    def __init__(self, layer: nn.Module, prefix: str, new: Iterable[str]):
-        self.layer = layer
-        self.owns: dict[str, set[str]] = {}  # block -> its compressed modules
-        for n in new:
-            self.owns.setdefault(n[len(prefix):].split(".")[0], set()).add(n)
-        self.saved: dict[tuple[str, str, int], object] = {}
+    def __init__(self, weight: torch.Tensor, same: bool, solver: LeastSquares, write: Callable[[LeastSquares], None]):
+        self.weight, self.sums, self.solver, self.write = weight, Sums(same), solver, write
 
-    def ended_by_one(self, pending: Collection[str]) -> dict[str, str]:
-        """Blocks with exactly one module still ``pending``: block -> that module."""
-        return {block: next(iter(left)) for block, names in self.owns.items() if len(left := names & set(pending)) == 1}
+    def add(self, x: torch.Tensor, x_ref: torch.Tensor | None) -> None:
+        self.sums.add(x, x_ref)
 
-    @contextmanager
-    def __call__(self, stream: str, batch: int, pending: Collection[str], record: bool = True) -> Iterator[None]:
-        """Inside the block, the finished blocks replay their outputs for this stream and batch,
-        or (``record``) save them as they run."""
-        finished = [b for b, names in self.owns.items() if names.isdisjoint(pending)]
-        with ExitStack() as stack:
-            for block in finished:
-                module, key = getattr(self.layer, block), (stream, block, batch)
-                if key in self.saved:
-                    setattr(self.layer, block, _Saved(module, self.saved[key]))
-                    stack.callback(setattr, self.layer, block, module)
-                elif record:
-                    hook = module.register_forward_hook(lambda _m, _a, out, key=key: self.saved.__setitem__(key, _copy(out)))
-                    stack.callback(hook.remove)
-            yield
-
-
-class _Ends:
-    """Outputs of the block that a stage's module ends (its output is the block's output, as o
-    ends the attention block and down the MLP), recorded while that stage runs so that no later
-    pass runs the block again. The compressed stream's record still has the old coefficients
-    C₀; once the module is refit, out + basis(x)·(C − C₀)ᵀ is the new output (basis and bias
-    stay). The first batch records every block that has one pending module; once the stage's
-    group is known, later batches record its block only and stop at the block's end."""
-
-    def __init__(self, layer: nn.Module, candidates: dict[str, str], modules: dict[str, nn.Module], low_rank: bool):
-        self.layer, self.candidates, self.modules, self.low_rank = layer, candidates, modules, low_rank
-        self.block: str | None = None
-        self.saved: dict[tuple[str, int], tuple[list, object, int, torch.Tensor | None]] = {}
-
-    @contextmanager
-    def __call__(self, batch: int) -> Iterator[None]:
-        blocks = [self.block] if self.block else list(self.candidates) if batch == 0 else []
-        seen: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        codes: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # basis(x) as the module computed it
-        with ExitStack() as stack:
-            for block in blocks:
-                def on_module(_m, args, out, block=block):
-                    seen[block] = (args[0], out)
-
-                def on_basis(_m, args, out, block=block):
-                    codes[block] = (args[0], out)
-
-                def on_block(_m, _args, out, block=block):
-                    if block in seen:
-                        x, y = seen[block]
-                        z = codes[block][1] if block in codes and codes[block][0] is x else None
-                        self._keep(block, batch, out, y, z)
-                    if self.block:
-                        raise _Seen
-
-                module = self.modules[self.candidates[block]]
-                stack.callback(module.register_forward_hook(on_module).remove)
-                if self.low_rank:
-                    stack.callback(module.basis.register_forward_hook(on_basis).remove)
-                stack.callback(getattr(self.layer, block).register_forward_hook(on_block).remove)
-            yield
-
-    def _keep(self, block: str, batch: int, out: object, y: torch.Tensor, z: torch.Tensor | None) -> None:
-        """Record ``out`` if ``y`` (the module's output) is a leaf of it, with z = basis(x)."""
-        leaves, spec = tree_flatten(out)
-        at = next((j for j, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.data_ptr() == y.data_ptr()
-                   and t.shape == y.shape), None)
-        # Not kept (a later pass runs the block): the block does more after the module, so it is
-        # not one the module ends, or the module skipped its basis call (a fused decoding path).
-        if at is None or self.low_rank and z is None:
-            return
-        self.saved[block, batch] = ([t.clone() if isinstance(t, torch.Tensor) else t for t in leaves], spec, at, z)
-
-    def settle(self, names: list[str]) -> bool:
-        """After the first batch: whether the stage's group (``names``; none: record nothing)
-        ends a block."""
-        self.block = next((b for b, n in self.candidates.items() if [n] == names and (b, 0) in self.saved), None)
-        self.saved = {k: v for k, v in self.saved.items() if k[0] == self.block}
-        return self.block is not None
-
-    def publish(self, replays: _Replays, stream: str, changes: dict[str, torch.Tensor]) -> None:
-        """Hand the records, corrected by the coefficient ``changes`` (C − C₀), to ``replays``."""
-        for (block, batch), (leaves, spec, at, z) in self.saved.items():
-            if z is not None:
-                leaves[at] += F.linear(z, changes[self.candidates[block]].to(z.dtype))
-            replays.saved[stream, block, batch] = tree_unflatten(leaves, spec)
-
-
-@contextmanager
-def originals_in(model: nn.Module, originals: dict[str, nn.Module], new: dict[str, nn.Module]) -> Iterator[None]:
-    """The layer with its original modules back in place, for a reference forward."""
-    for n, module in originals.items():
-        set_module(model, n, module)
-    try:
-        yield
-    finally:
-        for n, module in new.items():
-            set_module(model, n, module)
+    def finish(self) -> tuple[dict[str, nn.Module], dict[str, torch.Tensor]]:
+        self.solver.add(self.weight, self.sums)
+        self.write(self.solver)
+        return {}, {}
 
 
 class _Normals:
@@ -291,8 +165,7 @@ class _Normals:
         self.through_outputs = not same and outputs < 1.5 * d_in * d_in
         # the outputs route computes Z and Y as the pass runs the modules: in its dtype
         self.fast = {n: (weights[n].to(dtype), bases[n].to(dtype)) for n in weights} if self.through_outputs else {}
-        self.gram: torch.Tensor | None = None
-        self.cross: torch.Tensor | None = None
+        self.sums = Sums(same)
         self.a: dict[str, torch.Tensor] = {}
         self.r: dict[str, torch.Tensor] = {}
 
@@ -300,9 +173,7 @@ class _Normals:
         """One batch: what the modules read in the compressed model (x) and in the target
         (x_ref; None when it is x)."""
         if not self.through_outputs:
-            self.gram = add_gram(self.gram, x)  # lower triangle
-            if not self.same:
-                self.cross = add_product(self.cross, x if x_ref is None else x_ref, x)
+            self.sums.add(x, x_ref)
             return
         x_ref = x if x_ref is None else x_ref
         for n, (w, basis) in self.fast.items():
@@ -317,8 +188,8 @@ class _Normals:
         if self.through_outputs:
             coeffs = {n: solve_coefficients(symmetrize(self.a[n]), self.r[n], self.ridge, priors[n]) for n in self.weights}
         else:
-            gram = symmetrize(self.gram)
-            coeffs = {n: refit_coefficients(w, self.bases[n], gram, self.cross, ridge=self.ridge, prior=priors[n])
+            gram = self.sums.gram()
+            coeffs = {n: refit_coefficients(w, self.bases[n], gram, self.sums.cross, ridge=self.ridge, prior=priors[n])
                       for n, w in self.weights.items()}
         changes = {n: c.to(priors[n].dtype) - priors[n] for n, c in coeffs.items()}
         for n, c in coeffs.items():
@@ -326,55 +197,60 @@ class _Normals:
         return {}, changes
 
 
-class Fit(Protocol):
-    """One stage of ``fit_pass``: the modules reading one input, fitted once every batch's
-    input has been summed (``_Normals`` for low-rank coefficients; a method may bring its own)."""
-
-    def add(self, x: torch.Tensor, x_ref: torch.Tensor | None) -> None:
-        """One batch: what the modules read in the compressed model and in the target (None: the same)."""
-
-    def finish(self) -> tuple[dict[str, nn.Module], dict[str, torch.Tensor]]:
-        """Fit: (modules that replace the stage's modules, coefficient changes of those kept)."""
-
-
 # (the stage's modules by name, their original weights, whether the target input is the
-# compressed one, the pass's dtype) -> the stage's fit
-Stage = Callable[[dict[str, nn.Module], dict[str, torch.Tensor], bool, torch.dtype], Fit]
+# compressed one, the pass's dtype) -> the stage's fit, or None where the group is not fitted
+Stage = Callable[[dict[str, nn.Module], dict[str, torch.Tensor], bool, torch.dtype], Fit | None]
 
 
 def refit_pass(model: nn.Module, arch: Arch, batches: list[torch.Tensor], build: Callable[[int], dict[str, nn.Module]],
                ridge: float, target: Target, dtype: torch.dtype | None = None) -> None:
-    """Compress the model layer by layer, refitting as it goes (see the module docstring):
+    """Compress the model layer by layer, refitting low-rank coefficients as it goes:
     ``build(i)``, called with layer i onloaded, returns its low-rank replacements (module name
-    -> module with ``basis``/``coeff``, built from the original weights); they are swapped in
-    and their coefficients refit on the inputs the compressed layers before produce. A module
-    that several layers share is fitted where it is first used. The layers run in ``dtype``
-    (default: the model's); the normal equations are summed in float64 and the coefficients
-    written in the model's dtype."""
+    -> module with ``basis``/``coeff``, built from the original weights); their coefficients
+    are refit on the inputs the compressed layers before produce. A module that several layers
+    share is fitted where it is first used. The normal equations are summed in float64 and the
+    coefficients written in the model's dtype."""
     fit_pass(model, arch, batches, build, lambda *args: _Normals(*args, ridge=ridge), target, dtype, corrects=True)
 
 
 @torch.no_grad()
 def fit_pass(model: nn.Module, arch: Arch, batches: list[torch.Tensor], build: Callable[[int], dict[str, nn.Module]],
-             stage: Stage, target: Target, dtype: torch.dtype | None = None, corrects: bool = False) -> None:
-    """The layer-by-layer pass behind ``refit_pass``, for any fit: ``build(i)`` returns the
-    modules of layer i to fit (swapped in for the originals; a method that replaces a module
-    only once it is fitted returns the original itself), and ``stage`` makes each stage's fit
-    (see ``Fit``), which may replace its modules. ``corrects``: every fit is a ``_Normals``
-    (coefficient changes only), so block outputs recorded before a fit are corrected."""
+             stage: Stage, target: Target, dtype: torch.dtype | None = None, *, corrects: bool = False,
+             layers: range | None = None, hidden: list[torch.Tensor] | None = None,
+             as_original: Callable[[int], AbstractContextManager] | None = None, label: str = "refit") -> None:
+    """The layer-by-layer refit (module docstring). ``build(i)``, called with layer i onloaded,
+    returns its new modules by name (a method that replaces a module only once it is fitted
+    returns the original itself); they are swapped in for the originals everywhere, and
+    ``stage`` makes each stage's fit (None: the group is swapped, not fitted), which may
+    replace its modules. The layers run in ``dtype`` (default: the model's).
+
+    ``corrects``: every fit is a ``_Normals`` (coefficient changes only), so block outputs
+    recorded before a fit are corrected rather than computed again. ``layers``: the layers
+    ``build`` has modules for (default: all); the pass starts at the first, fed ``hidden``
+    (what enters it, which also stands for the original model's there), and ends after the
+    last. ``as_original(i)``: a context in which layer i, its original modules back, computes
+    as the original (GQA's kv-head counts go with its merged projections)."""
     offload = offload_of(model)
+    layers = layers or range(arch.num_layers)
     reference: list[torch.Tensor] | None = None  # the original model's hidden states (target "model")
-    for i, layer, inputs in layerwise(model, batches, arch, "refit (error compensation)", dtype):
+    stream = layerwise(model, batches, arch, label, dtype, first=layers.start, hidden=hidden if layers.start else None)
+    for i, layer, inputs in stream:
         if target == "model" and reference is None:
-            reference = list(inputs.hidden)  # layer 0's input is the same in both models
+            reference = list(inputs.hidden)  # the first layer's input is the same in both models
         new = build(i)
         originals = {n: get_module(model, n) for n in new}
         weights = {n: weight_of(m).detach() for n, m in originals.items()}
         for n, module in new.items():
             replace_everywhere(model, originals[n], module)
-        offload.refresh([i])  # a basis shared with an earlier layer of its group may rest elsewhere
+        offload.refresh([i])  # a module shared with an earlier layer may rest elsewhere
+
+        @contextmanager
+        def original() -> Iterator[None]:
+            with _originals_in(model, originals, new), (as_original or (lambda _i: nullcontext()))(i):
+                yield
+
         ref_inputs = LayerInputs(reference or inputs.hidden, inputs.calls)
-        replays = _Replays(layer, arch.layer_name(i) + ".", new)
+        replays = Replays(layer, arch.layer_name(i) + ".", new)
         pending = dict(new)
         while pending:
             # The layer's first modules read the same input in the compressed and the original
@@ -382,28 +258,31 @@ def fit_pass(model: nn.Module, arch: Arch, batches: list[torch.Tensor], build: C
             same = target == "function" or (target == "layer" and len(pending) == len(new))
             first, ref = FirstInput(pending), FirstInput({n: originals[n] for n in pending})
             candidates = replays.ended_by_one(pending)
-            ends = _Ends(layer, candidates if corrects else {}, new, low_rank=True)
-            ends_ref = _Ends(layer, candidates, originals, low_rank=False)
+            ends = Ends(layer, candidates if corrects else {}, new, low_rank=True)
+            ends_ref = Ends(layer, candidates, originals, low_rank=False)
             fit: Fit | None = None
-            for b, (hidden, (args, kwargs)) in enumerate(zip(inputs.hidden, inputs.calls)):
+            for b, (hidden_b, (args, kwargs)) in enumerate(zip(inputs.hidden, inputs.calls)):
                 with replays("compressed", b, pending), ends(b), computing_in(layer, dtype):
-                    x = first(layer, hidden, args, kwargs)
-                x_ref = None
-                if not same:
-                    with originals_in(model, originals, new), replays("original", b, pending), ends_ref(b), \
-                            computing_in(layer, dtype):
-                        x_ref = ref(layer, ref_inputs.hidden[b], args, kwargs)
-                if fit is None:
+                    x = first(layer, hidden_b, args, kwargs)
+                if b == 0:
                     names = first.names
                     fit = stage({n: new[n] for n in names}, {n: weights[n] for n in names}, same, x.dtype)
+                    if fit is None:  # swapped only: nothing to sum
+                        break
                     first.through = ends.settle(names)
-                    # the original stream's block output is needed by later stages or a reference pass
+                x_ref = None
+                if not same:
+                    with original(), replays("original", b, pending), ends_ref(b), computing_in(layer, dtype):
+                        x_ref = ref(layer, ref_inputs.hidden[b], args, kwargs)
+                if b == 0:  # the original stream's block output is needed by later stages or a reference pass
                     needed = not same and (len(pending) > len(names) or target == "model")
                     ref.through = ends_ref.settle(names if needed else [])
                 fit.add(x, x_ref)
-            replaced, changes = fit.finish()
             for n in first.names:
                 del pending[n]
+            if fit is None:
+                continue
+            replaced, changes = fit.finish()
             for n, module in replaced.items():
                 replace_everywhere(model, new[n], module)
                 new[n] = module
@@ -412,5 +291,20 @@ def fit_pass(model: nn.Module, arch: Arch, batches: list[torch.Tensor], build: C
         with computing_in(layer, dtype):
             inputs.outputs = run_layer(layer, inputs, lambda b: replays("compressed", b, (), record=False))
         if target == "model":
-            with originals_in(model, originals, new), computing_in(layer, dtype):
+            with original(), computing_in(layer, dtype):
                 reference = run_layer(layer, ref_inputs, lambda b: replays("original", b, (), record=False))
+        if i == layers[-1]:
+            stream.close()  # the layers after need no outputs
+            break
+
+
+@contextmanager
+def _originals_in(model: nn.Module, originals: dict[str, nn.Module], new: dict[str, nn.Module]) -> Iterator[None]:
+    """The layer with its original modules back in place, for a reference forward."""
+    for n, module in originals.items():
+        set_module(model, n, module)
+    try:
+        yield
+    finally:
+        for n, module in new.items():
+            set_module(model, n, module)

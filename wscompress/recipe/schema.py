@@ -95,6 +95,30 @@ class StageConfig(Strict):
         structure alone: it runs on the meta device before any work, and again before the stage."""
 
 
+Target = Literal["function", "layer", "model"]
+WEIGHT_RIDGE = 0.1  # a whole weight matrix fitted on a small calibration set overfits without it (k-means chose it)
+
+
+class Refit(Strict):
+    """The refit options (``pipeline/refit.py``) of every stage that refits what it made: named
+    here once, mixed into each method's config."""
+
+    refit: bool = Field(True, description="re-solve what the stage made, layer by layer, on the inputs the "
+                                          "compressed model itself feeds it (error compensation, see pipeline/refit.py)")
+    refit_samples: int | None = Field(None, gt=0, description="refit: the first N calibration sequences it fits on "
+                                                              "(default: all)")
+    ridge: float = Field(WEIGHT_RIDGE, ge=0, description="refit: ridge toward the unrefit weights, relative to the mean "
+                                                         "diagonal of their inputs' Gram matrix")
+
+
+class LayerRefit(Refit):
+    """A refit whose modules' outputs can be fitted to three targets (``pipeline.refit``)."""
+
+    refit_target: Target = Field("layer", description="refit: what each module's output is fitted to: the original "
+                                 "layer's, fed the same layer input (layer; it won at every ratio of the protocol), "
+                                 "the original module on its compressed inputs (function) or the original model's (model)")
+
+
 class TargetedStage(StageConfig):
     """A stage that compresses the modules its ``targets`` name (each method has its default)."""
 
