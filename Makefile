@@ -7,6 +7,10 @@ STAMP       := $(VENV)/.installed
 export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
+# test processes side by side (one a core, one thread each; a test file stays on one process
+# so that its module fixtures are built once); TEST_WORKERS=0 runs them in this process
+TEST_WORKERS ?= 2
+PYTEST      := $(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 .PHONY: install demo test test-fast test-bf16 bench small-tables paper-tables clean
 
@@ -26,14 +30,14 @@ demo: install
 	$(VENV)/bin/wscompress run configs/demo.yaml
 
 test: install
-	$(PY) -m pytest -q --durations=10
+	$(PYTEST) --durations=10
 
 test-fast: install
-	$(PY) -m pytest -q -m "not slow"
+	$(PYTEST) -m "not slow"
 
 # the suite as a CPU with native bfloat16 runs it (calibration passes in bfloat16), emulated on any CPU
 test-bf16: install
-	WSCOMPRESS_TEST_BF16=1 $(PY) -m pytest -q -m "not slow"
+	WSCOMPRESS_TEST_BF16=1 $(PYTEST) -m "not slow"
 
 # Paper tables: every recipe of a set at every ratio, one run folder each, then one merged table
 # and plot (wscompress report). Calibration statistics are collected once per set and copied into

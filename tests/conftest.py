@@ -13,6 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs one worker a core: each computes on one thread
+    torch.set_num_threads(1)
+
 REPO = Path(__file__).resolve().parents[1]
 WIKI_TRAIN = "builtin:wiki.train"  # the texts that ship with wscompress (wscompress/io/texts)
 WIKI_TEST = "builtin:wiki.test"

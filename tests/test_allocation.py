@@ -115,7 +115,7 @@ def test_fisher_allocation_removes_the_exact_share_and_saves(method, ratio, toke
 
 @pytest.mark.slow
 def test_fisher_beats_uniform_on_real_weights(smollm2, method="basis_sharing"):
-    """At one budget, on real weights (SmolLM2's first 6 layers, 40 %), the allocated model fits
+    """At one budget, on real weights (SmolLM2's first 4 layers, 40 %), the allocated model fits
     held-out text better than one ratio for every matrix (random tiny models have nothing to find)."""
     import copy
 
@@ -129,9 +129,9 @@ def test_fisher_beats_uniform_on_real_weights(smollm2, method="basis_sharing"):
     losses = {}
     for allocation in ("uniform", "fisher"):
         short = copy.deepcopy(model)
-        drop_layers(short, list(range(6)))  # keep the first 6
+        drop_layers(short, list(range(4)))  # keep the first 4
         wscompress.compress(short, [{"method": method, "ratio": 0.4, "allocation": allocation, "refit": False}], tok,
                             {"dataset": WIKI_TRAIN, "num_samples": 8, "seq_len": 256, "seed": 0})
         with torch.no_grad():
             losses[allocation] = short(input_ids=held_out, labels=held_out).loss.item()
-    assert losses["fisher"] < losses["uniform"] - 0.05
+    assert losses["fisher"] < losses["uniform"] - 0.05  # measured: 19.56 against 20.54

@@ -182,12 +182,12 @@ def test_sampled_search_picks_the_exact_searchs_window_on_smollm2(smollm2):
 
     model, tok = smollm2
     model = copy.deepcopy(model)
-    drop_layers(model, list(range(13)))  # keep the first 13 layers: 4 candidate windows, real weights
+    drop_layers(model, list(range(10)))  # keep the first 10 layers: 3 candidate windows, real weights
     calibration = {"dataset": WIKI_TRAIN, "num_samples": 8, "seq_len": 256, "batch_size": 4}
     stage = {"method": "soft_share", "window": 4, "rank": 8, "search_stride": 3,
              "base": "mean", "whitening": False, "refit": False}  # what the Planner below builds
     (row,) = compress(copy.deepcopy(model), [stage], tok, calibration)
-    assert len(row["search_nll"]) == 4
+    assert len(row["search_nll"]) == 3
     arch = discover(model)
     batches = data.calibration_batches(tok, WIKI_TRAIN, 8, 256, 4, seed=0)
     planner = Planner(arch, sample_inputs(model, arch, batches, "down", 256), 8)
