@@ -1,5 +1,6 @@
 """Run-time speed of compressed SmolLM2 models: decode and prefill, batch 1 and 8, dense vs
-palettized (kmeans 2/3/4 bits per channel, 4 bits grouped) vs low-rank (svd 20 / 40 %), with the
+palettized (kmeans 2/3/4 bits per channel, 4 bits grouped; vector codebooks at 2 and 3 bits
+per weight) vs low-rank (svd 20 / 40 %), with the
 memory-bandwidth bound for decode as a column. On CPU (default) in float32 with one and two
 threads; with ``--device cuda`` in float16 (the dense baseline is then fp16), timed with CUDA
 events, plus ``--layers``: one decode-sized product on LLaMA-7B-sized layers, where the weight
@@ -47,6 +48,13 @@ MODELS = {  # label -> compress stages (empty: the dense model)
     "kmeans 3-bit per channel": [{**PLAIN, "bits": 3}],
     "kmeans 2-bit per channel": [{**PLAIN, "bits": 2}],
     "kmeans 4-bit grouped 64": [{**PLAIN, "bits": 4, "granularity": "grouped", "group_size": 64}],
+    # vector codebooks (bits per weight = bits / cluster_dim); few iterations: the speed does not depend on them
+    "kmeans 2-bit, 2-d vectors per 64 channels": [{**PLAIN, "bits": 4, "cluster_dim": 2, "granularity": "grouped",
+                                                   "group_size": 64, "iterations": 5, "n_init": 1}],
+    "kmeans 3-bit, 2-d vectors per 64 channels": [{**PLAIN, "bits": 6, "cluster_dim": 2, "granularity": "grouped",
+                                                   "group_size": 64, "iterations": 5, "n_init": 1}],
+    "kmeans 2-bit, 4-d vectors per matrix": [{**PLAIN, "bits": 8, "cluster_dim": 4, "granularity": "per_tensor",
+                                              "iterations": 5, "n_init": 1}],
     "svd 20 %": [{"method": "svd", "whitening": False, "ratio": 0.2}],
     "svd 40 %": [{"method": "svd", "whitening": False, "ratio": 0.4}],
 }
@@ -119,6 +127,12 @@ def layer_rows(device: torch.device, dtype: torch.dtype, bandwidth: float, graph
             codebook = torch.randn(out_f, 2**bits, 1, generator=gen)
             idx = torch.randint(0, 2**bits, (out_f, in_f), generator=gen)
             layers[f"kmeans {bits}-bit per channel"] = PalettizedLinear.from_clusters(codebook, idx, None).to(device, dtype)
+        for label, d, bits, groups in (("2-bit, 2-d vectors per 64 channels", 2, 4, out_f // 64),
+                                       ("3-bit, 2-d vectors per 64 channels", 2, 6, out_f // 64),
+                                       ("2-bit, 4-d vectors per matrix", 4, 8, 1)):
+            codebook = torch.randn(groups, 2**bits, d, generator=gen)
+            idx = torch.randint(0, 2**bits, (out_f, in_f // d), generator=gen)
+            layers[f"kmeans {label}"] = PalettizedLinear.from_clusters(codebook, idx, None).to(device, dtype)
         x = torch.randn(1, in_f, device=device, dtype=dtype)
         for label, layer in layers.items():
             layer(x)  # builds the kernel layout (and compiles / tunes the kernel) before timing

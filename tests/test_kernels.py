@@ -25,15 +25,16 @@ def test_kernels_build_where_a_compiler_exists():
     assert kernels.status()
 
 
-def layer(bits: int, group_size: int, out: int = 48, inp: int = 72, outliers: int = 0, seed: int = 0) -> PalettizedLinear:
+def layer(bits: int, group_size: int, out: int = 48, inp: int = 72, outliers: int = 0, seed: int = 0,
+          d: int = 1) -> PalettizedLinear:
     gen = torch.Generator().manual_seed(seed)
     w = torch.randn(out, inp, generator=gen)
-    codebook, idx = cluster(w.reshape(out // group_size, -1, 1), bits)
+    codebook, idx = cluster(w.reshape(out // group_size, -1, d), bits)
     kept = None
     if outliers:
         pos = torch.randperm(out * inp, generator=gen)[:outliers].sort().values
         kept = (pos, w.flatten()[pos])
-    return PalettizedLinear.from_clusters(codebook, idx.reshape(out, inp), torch.randn(out, generator=gen),
+    return PalettizedLinear.from_clusters(codebook, idx.reshape(out, inp // d), torch.randn(out, generator=gen),
                                           outliers=kept)
 
 
@@ -49,6 +50,21 @@ def test_lut_matmul_equals_the_reference_path(bits, group_size, outliers, rows):
         assert lin.lut_forward(x) is not None  # the kernel ran
         torch.testing.assert_close(lin(x), ref, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(lin(x.view(1, rows, 72)), ref.view(1, rows, -1), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(kernels.lut() is None, reason="kernels not built here")
+@pytest.mark.parametrize("d, bits, group_size, outliers", [(2, 4, 1, 0), (2, 4, 16, 6), (2, 3, 48, 0), (2, 6, 8, 4),
+                                                           (2, 8, 48, 0), (4, 8, 48, 5), (4, 4, 16, 0), (4, 2, 1, 0)])
+@pytest.mark.parametrize("rows, inp", [(1, 72), (2, 64), (5, 72), (40, 72)])
+def test_vector_codebooks_equal_the_reference_path(d, bits, group_size, outliers, rows, inp):
+    """Vector codebooks (a centroid for every d weights in a row) decode through the kernel too:
+    nibble and byte indices, tables held in registers or gathered, a row's tail past the last
+    whole block, outliers, and prefill (more than DECODE_ROWS rows)."""
+    lin = layer(bits, group_size, inp=inp, outliers=outliers, d=d)
+    x = torch.randn(rows, inp)
+    with torch.no_grad():
+        assert lin.lut_forward(x) is not None
+        torch.testing.assert_close(lin(x), F.linear(x, lin.dense_weight(), lin.bias), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.skipif(kernels.lut() is None, reason="kernels not built here")
@@ -72,16 +88,17 @@ def test_outlier_corrections_follow_a_trained_codebook():
         check()
 
 
-def test_gradients_and_vector_codebooks_take_the_reference_path():
+def test_gradients_and_odd_rows_take_the_reference_path():
     lin = layer(4, 1)
     x = torch.randn(2, 72)
     assert lin.lut_forward(x) is None  # the codebook trains: autograd needs the torch path
     lin(x).sum().backward()
     assert lin.codebook.grad is not None
-    codebook, idx = cluster(torch.randn(48, 36, 2), 3)
-    vector = PalettizedLinear.from_clusters(codebook, idx, None)
-    with torch.no_grad():
-        assert vector.lut_forward(torch.randn(1, 72)) is None
+    for d, inp in ((3, 72), (2, 70)):  # 3-vectors; 35 nibble indices a row, not whole bytes
+        odd = layer(3, 48, inp=inp, d=d)
+        with torch.no_grad():
+            assert odd.lut_forward(torch.randn(1, inp)) is None
+            torch.testing.assert_close(odd(x := torch.randn(1, inp)), F.linear(x, odd.dense_weight(), odd.bias))
 
 
 @pytest.mark.skipif(kernels.lut() is None, reason="kernels not built here")

@@ -222,7 +222,7 @@ def _gpu_linear(x: torch.Tensor, indices: torch.Tensor, width: int, tables: torc
                 out_features: int, outliers: SparseRows | None) -> torch.Tensor | None:
     global _gpu_failure
     module = lut_gpu()
-    if module is None or x.numel() > DECODE_ROWS * x.shape[-1]:
+    if module is None or x.numel() > DECODE_ROWS * x.shape[-1] or tables.dim() != 2:
         return None
     flat = x.reshape(-1, x.shape[-1]).contiguous()
     try:

@@ -537,9 +537,12 @@ class PalettizedLinear(CompressedLinear):
         """(indices as the LUT kernel reads them, their width, the outliers' corrections by row,
         the tables), prepared once and kept while indices, codebook and outliers stay the same:
         the stored bytes themselves at 4 and 8 bits, re-packed as nibbles (1-3 bits) or bytes
-        (5-7 bits) otherwise; tables of fewer than 16 entries padded to 16 for nibbles (once, not
-        per call: on a GPU each call's pad was one more kernel launch). None: scalar codebooks only."""
-        if self.cluster_dim != 1 or self.in_features % 2:
+        (5-7 bits) otherwise; tables (groups, K) for scalar codebooks, (groups, K, d) for vectors
+        of d = 2 or 4, of fewer than 16 entries padded to 16 for nibbles (once, not per call: on a
+        GPU each call's pad was one more kernel launch). None where a row's indices do not fill
+        whole bytes or the vectors are longer."""
+        d, cols = self.cluster_dim, self.in_features // self.cluster_dim
+        if d not in (1, 2, 4) or cols % 2:
             return None
         key = [(t.data_ptr(), t._version) for t in (self.indices, self.codebook)]
         if self.outliers:  # their corrections depend on the codebook (which fine-tuning trains) too
@@ -551,11 +554,12 @@ class PalettizedLinear(CompressedLinear):
             sparse = None
             if self.outliers:  # the exact weights kept aside: their difference to the codebook value
                 pos = self.outlier_index.long()
-                delta = self.outlier_value - self.codebook[pos // self.in_features // self.group_size, idx.flatten()[pos], 0]
+                row, col = pos // self.in_features, pos % self.in_features
+                delta = self.outlier_value - self.codebook[row // self.group_size, idx[row, col // d], col % d]
                 sparse = SparseRows.from_positions(pos, delta.detach(), (self.out_features, self.in_features))
-            tables = self.codebook[..., 0]
+            tables = self.codebook[..., 0] if d == 1 else self.codebook
             if width == 4 and tables.shape[1] < 16:
-                tables = F.pad(tables, (0, 16 - tables.shape[1]))
+                tables = F.pad(tables, (0, 0) * (d > 1) + (0, 16 - tables.shape[1]))
             self._layout, self._layout_key = (layout, width, sparse, tables.detach().contiguous()), key
         return self._layout
 
