@@ -1,0 +1,240 @@
+"""Two to four bits per weight on the protocol (configs/protocol.yaml: SmolLM2, 64 x 512 GPTQ-sampled
+calibration windows of wiki.train; perplexity on the first 40 windows of wiki.test and of brown,
+which no default was tuned on): wscompress's clustering, one-shot and after recovery training,
+side by side with what a user would reach for at the same bits.
+
+Rows (each at every --bits where it applies):
+- ours: `kmeans` scalar per channel (the default), vector codebooks (2-d, one codebook per 64
+  output channels; 4-d, one per matrix at 2 bits) with the outliers the bits budget leaves room
+  for, and any of them followed by `finetune` (mode: method, the codebooks train) for --minutes.
+- RTN: round to nearest on a uniform grid per group of input columns (min/max, asymmetric), a
+  float16 scale and an 8-bit zero point per group (as compressed-tensors stores them).
+- GPTQ with groups as llm-compressor runs it (`oneshot` + `GPTQModifier`, asymmetric, static
+  activation order), in its own virtual environment (it pins another transformers):
+      python -m venv .peers && .peers/bin/pip install torch==2.13.0 llmcompressor
+      python scripts/bench_lowbit.py --peers .peers/bin/python
+  It sees the same calibration windows (scripts/peers_gptq.py runs there and hands back the
+  de-quantized weights, which the model here evaluates).
+- DKM as it stands: `finetune` mode dkm from the dense model for --minutes.
+Bits per weight count everything the decoder linears store: indices, codebooks, outliers, scales
+and zero points. Writes outputs/lowbit/results.{json,md} after every row (rows already there are
+kept) and prints the table.
+
+With --layer-cost it instead times the one-shot pass of each of our rows on one decoder layer
+shaped like LLaMA-7B's (hidden 4096, FFN 11008, 32 heads; random weights, tied 49152-token
+embeddings so SmolLM2's tokenizer feeds it), on --tokens calibration tokens of wiki.train: the
+pass is layer by layer, so 32 times that is the cost at 7B (outputs/lowbit/layer_cost.json).
+
+Usage: python scripts/bench_lowbit.py [--rows LABEL ...] [--bits 2 3 4] [--windows 40] [--minutes 30]
+                                      [--peers PYTHON] [--threads N]
+       python scripts/bench_lowbit.py --layer-cost [--bits 2 3] [--tokens 8192]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from wscompress.evaluation.perplexity import evaluate_text
+from wscompress.io import data
+from wscompress.io.checkpoints import builtin_dir, load_model
+from wscompress.io.ui import markdown_table
+from wscompress.model.arch import discover
+from wscompress.recipe.load import load_recipe
+from wscompress.recovery.finetune import finetune
+from wscompress.workflow import apply_stages
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = REPO / "configs" / "protocol.yaml"
+TEXTS = ["builtin:wiki.test", "builtin:brown"]
+
+# label -> bits -> the stages (None: not at these bits). Outliers as the bits-per-weight budget
+# of the issue's targets leaves room for (0.1 % cost 0.048 bits per weight: fp16 value + position)
+OUTLIERS = {2: 0.0025, 3: 0.0015, 4: 0.001}
+OURS: dict[str, Callable[[int], list[dict] | None]] = {
+    "kmeans per channel (default)": lambda b: [{"method": "kmeans", "bits": b}],
+    "kmeans 2-d vectors, a codebook per 64 channels": lambda b: [
+        {"method": "kmeans", "bits": 2 * b, "cluster_dim": 2, "granularity": "grouped", "group_size": 64,
+         "outliers": OUTLIERS[b]}],
+    "kmeans 4-d vectors, a codebook per matrix": lambda b: [
+        {"method": "kmeans", "bits": 4 * b, "cluster_dim": 4, "granularity": "per_tensor", "outliers": OUTLIERS[b]}]
+    if b == 2 else None,
+}
+# groups per bits (input columns sharing a scale): the small groups the low widths need, and the
+# common 128 at 4 bits, where groups cost least
+RTN_GROUPS = {2: [32, 64], 3: [32, 64], 4: [64, 128]}
+GPTQ_GROUPS = {2: [32, 64], 3: [64], 4: [128]}
+
+
+def rtn_(model: torch.nn.Module, bits: int, group: int) -> float:
+    """Round every decoder linear's weight to nearest, in place, on a uniform asymmetric grid per
+    ``group`` input columns; returns the bits per weight as stored (b + (16 + 8) / group)."""
+    arch = discover(model)
+    top = 2 ** bits - 1
+    with torch.no_grad():
+        for i in range(arch.num_layers):
+            for name in arch.projections(i).values():
+                w = model.get_submodule(name).weight
+                g = w.view(w.shape[0], -1, group)
+                lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+                scale = ((hi - lo) / top).clamp_min(1e-8).half().float()
+                zero = (-lo / scale).round().clamp(0, 255)
+                q = ((g / scale).round() + zero).clamp(0, top)
+                w.copy_(((q - zero) * scale).view_as(w))
+    return bits + 24 / group
+
+
+def gptq_(model: torch.nn.Module, peers: str, bits: int, group: int, batches: list[torch.Tensor]) -> float:
+    """GPTQ (llm-compressor, in the ``peers`` interpreter) on the same calibration windows; the
+    de-quantized weights replace the model's. Bits per weight as compressed-tensors stores them."""
+    with tempfile.TemporaryDirectory() as tmp:
+        calib, out = Path(tmp) / "calibration.safetensors", Path(tmp) / "weights.safetensors"
+        save_file({"input_ids": torch.cat(batches)}, calib)
+        subprocess.run([peers, str(REPO / "scripts" / "peers_gptq.py"), str(builtin_dir("smollm2-135m-instruct")),
+                        str(calib), str(out), "--bits", str(bits), "--group", str(group)], check=True)
+        weights = load_file(out)
+    with torch.no_grad():
+        for name, w in weights.items():
+            model.get_submodule(name).weight.copy_(w)
+    return bits + 24 / group
+
+
+def layer_cost(args, recipe, tok, out: Path) -> None:
+    """Seconds of each of our one-shot rows on one LLaMA-7B-shaped decoder layer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=1, num_attention_heads=32,
+                         num_key_value_heads=32, vocab_size=len(tok), tie_word_embeddings=True)
+    torch.manual_seed(0)
+    layer = LlamaForCausalLM(config).eval()
+    run = recipe.model_copy()
+    run.calibration = recipe.calibration.model_copy(update={"num_samples": args.tokens // 512})
+    rows = []
+    for b in args.bits:
+        for label, stages_of in OURS.items():
+            if (stages := stages_of(b)) is None or args.rows and not any(label.startswith(r) for r in args.rows):
+                continue
+            model = copy.deepcopy(layer)
+            run.compress = load_recipe(data={"compress": stages}).compress
+            start = time.perf_counter()
+            report = apply_stages(model, tok, run)
+            seconds = time.perf_counter() - start
+            rows.append({"method": label, "bits": b, "bits_per_weight": round(report[-1]["bits_per_weight"], 3),
+                         "tokens": args.tokens, "s per 7B layer": round(seconds, 1), "min at 7B (32 layers)": round(32 * seconds / 60, 1)})
+            print(rows[-1], flush=True)
+    (out / "layer_cost.json").write_text(json.dumps({"threads": torch.get_num_threads(), "rows": rows}, indent=1))
+    print(markdown_table(rows))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", nargs="+", default=None, help="labels (or their first words; a training row only with "
+                    "its '+') of the rows to run")
+    ap.add_argument("--bits", type=int, nargs="+", default=[2, 3, 4])
+    ap.add_argument("--windows", type=int, default=40)
+    ap.add_argument("--minutes", type=float, default=30.0, help="training budget of the recovery and DKM rows")
+    ap.add_argument("--lr", type=float, default=1e-4, help="learning rate of the recovery rows (codebooks)")
+    ap.add_argument("--peers", default=None, help="a Python with llmcompressor (GPTQ rows; skipped without)")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--out", type=Path, default=REPO / "outputs" / "lowbit")
+    ap.add_argument("--layer-cost", action="store_true", help="time our one-shot rows on one LLaMA-7B-shaped layer")
+    ap.add_argument("--tokens", type=int, default=8192, help="--layer-cost: calibration tokens (windows of 512)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    recipe = load_recipe(CONFIG, [f"output.dir={out}"])
+    original, tok = load_model(recipe.model)
+    if args.layer_cost:
+        return layer_cost(args, recipe, tok, out)
+    cal = recipe.calibration
+    batches = data.calibration_batches(tok, cal.dataset, cal.num_samples, cal.seq_len, cal.batch_size, cal.seed,
+                                       cal.bos, cal.sampling)
+
+    def scores(model) -> dict[str, float]:
+        model.eval()
+        return {Path(data.source_label(t)).stem: round(evaluate_text(model, tok, t, 512, None, 4, args.windows, recipe.eval.bos,
+                                                                     label=f"ppl {data.source_label(t)}")["ppl"], 2)
+                for t in TEXTS}
+
+    def train(model, mode: str, bits: int | None = None) -> tuple[torch.nn.Module, dict]:
+        ft = load_recipe(data={
+            "finetune": {"mode": mode, "dataset": "builtin:wiki.train", "seq_len": 256, "batch_size": 4, "steps": 100_000,
+                         "max_minutes": args.minutes, "lr": args.lr, "warmup_steps": 10, "eval_windows": 4,
+                         **({"dkm": {"bits": bits}} if mode == "dkm" else {})},
+            "eval": {"perplexity": [TEXTS[0]]}, "output": {"dir": str(out / "ft")}})
+        return finetune(model, tok, ft)
+
+    def one_shot(stages: list[dict]) -> tuple[torch.nn.Module, dict]:
+        model = copy.deepcopy(original)
+        run = recipe.model_copy()
+        run.compress = load_recipe(data={"compress": stages}).compress
+        start = time.perf_counter()
+        report = apply_stages(model, tok, run)
+        return model, {"bits_per_weight": round(report[-1]["bits_per_weight"], 3),
+                       "compress_s": round(time.perf_counter() - start, 1)}
+
+    def peer(quantize: Callable[[torch.nn.Module], float]) -> tuple[torch.nn.Module, dict]:
+        model = copy.deepcopy(original)
+        start = time.perf_counter()
+        bpw = quantize(model)
+        return model, {"bits_per_weight": round(bpw, 3), "compress_s": round(time.perf_counter() - start, 1)}
+
+    trained = f" + {args.minutes:g} min training (codebooks)"
+    runs: list[tuple[str, int, Callable[[], tuple[torch.nn.Module, dict]]]] = []  # (label, bits, make)
+    for b in args.bits:
+        for label, stages_of in OURS.items():
+            if (stages := stages_of(b)) is not None:
+                runs += [(label, b, lambda s=stages: one_shot(s)), (label + trained, b, lambda s=stages: one_shot(s))]
+        runs += [(f"RTN g{g}", b, lambda b=b, g=g: peer(lambda m: rtn_(m, b, g))) for g in RTN_GROUPS.get(b, [64])]
+        if args.peers:
+            runs += [(f"GPTQ g{g} (llm-compressor)", b, lambda b=b, g=g: peer(lambda m: gptq_(m, args.peers, b, g, batches)))
+                     for g in GPTQ_GROUPS.get(b, [64])]
+        runs.append((f"DKM as it stands ({args.minutes:g} min from dense)", b, lambda: (copy.deepcopy(original), {})))
+
+    done = out / "results.json"
+    rows = json.loads(done.read_text())["rows"] if done.is_file() else [{"method": "dense", **scores(original)}]
+    dense = rows[0]
+    def wanted(label: str) -> bool:  # a training row only where asked for ("+" in the given words)
+        return args.rows is None or any(label.startswith(r) and ("+" in r or " + " not in label) for r in args.rows)
+
+    kept: dict[tuple[str, int], tuple[torch.nn.Module, dict]] = {}  # one-shot models the training rows start from
+    for label, b, make in runs:
+        if not wanted(label) or any(r["method"] == label and r.get("bits") == b for r in rows):
+            continue
+        if label.startswith("DKM"):
+            start = time.perf_counter()
+            model, report = train(make()[0], "dkm", b)
+            row = {"bits_per_weight": round(report["dkm"]["bits_per_weight"], 3), "train_s": round(time.perf_counter() - start)}
+        elif label.endswith(trained):
+            model, row = kept.pop((label.removesuffix(trained), b), None) or make()
+            model, report = train(model, "method")
+            row = {**row, "train_s": report["history"][-1]["seconds"], "steps": report["steps"]}
+        else:
+            model, row = make()
+            if wanted(label + trained) and (label + trained, b) in {(lb, bb) for lb, bb, _ in runs}:
+                kept[label, b] = (copy.deepcopy(model), row)
+        ppl = scores(model)
+        rows.append({"method": label, "bits": b, **row, **ppl, **{f"{t} x": round(ppl[t] / dense[t], 3) for t in ppl}})
+        print(rows[-1], flush=True)
+        done.write_text(json.dumps({"rows": rows}, indent=1))
+        del model
+    cols = ["method", "bits", "bits_per_weight", "wiki.test", "wiki.test x", "brown", "brown x", "compress_s", "train_s", "steps"]
+    md = (f"SmolLM2-135M-Instruct, protocol calibration, {args.windows} windows of 512 tokens per text, "
+          f"{torch.get_num_threads()} threads\n\n" + markdown_table([{c: r.get(c, "") for c in cols} for r in rows]) + "\n")
+    (out / "results.md").write_text(md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
