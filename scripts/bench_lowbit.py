@@ -69,10 +69,9 @@ OURS: dict[str, Callable[[int], list[dict] | None]] = {
         {"method": "kmeans", "bits": 4 * b, "cluster_dim": 4, "granularity": "per_tensor", "outliers": OUTLIERS[b]}]
     if b == 2 else None,
 }
-# groups per bits (input columns sharing a scale): the small groups the low widths need, and the
-# common 128 at 4 bits, where groups cost least
-RTN_GROUPS = {2: [32, 64], 3: [32, 64], 4: [64, 128]}
-GPTQ_GROUPS = {2: [32, 64], 3: [64], 4: [128]}
+# groups per bits (input columns sharing a scale); SmolLM2's 576 columns rule out the common 128
+RTN_GROUPS = {2: [32, 64], 3: [32, 64], 4: [64]}
+GPTQ_GROUPS = {2: [32, 64], 3: [64], 4: [64]}
 
 
 def rtn_(model: torch.nn.Module, bits: int, group: int) -> float:
