@@ -37,8 +37,9 @@ struct Sparse {
 // j .. j+7 (AVX2) into a register, `at(j)` one weight. Index q names the D-vector of weights
 // q*D .. q*D+D-1, entry D*index+c of the row's table. Tables small enough for registers are
 // read by permutes (16 floats: D 1 with nibbles; 32: D 2 with nibbles, AVX-512 only), larger
-// ones (in L1: at most 256 x 4 floats) by one load a vector (64 or 128 bits), which beat
-// gathers (whose cost grows with their elements) on both AMD and Intel cores.
+// ones (in L1: at most 256 x 4 floats) by one load a vector (64 or 128 bits; AVX2 pairs: one
+// 4-element 64-bit gather): on the AMD core measured (docs/runtime.md) AVX-512 gathers, whose
+// cost grows with their elements, were slower than the dense product.
 template <int W, int D>
 struct Row {
   const uint8_t* idx;
