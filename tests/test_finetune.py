@@ -99,6 +99,19 @@ def test_method_mode_trains_only_the_compressed_layers(tmp_path, tokenizer):
     assert any(not torch.equal(params[n], p) for n, p in lowrank.items())
 
 
+def test_norms_train_with_the_compressed_layers_and_nothing_else_moves(tmp_path, tokenizer):
+    model = svd_model()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trained, out = finetune(model, tokenizer, recipe(tmp_path, mode="method", steps=2, norms=True))
+    moved = {n for n, p in trained.named_parameters() if not torch.equal(before[n], p)}
+    norms = {n for n in before if n.endswith("norm.weight")}
+    assert norms and norms <= moved and all(".q_proj." in n or ".up_proj." in n for n in moved - norms)
+    assert out["trainable_params"] == sum(p.numel() for m in trained.modules() if isinstance(m, LowRankLinear)
+                                          for p in m.parameters()) + sum(before[n].numel() for n in norms)
+    with pytest.raises(UsageError, match="norms applies to mode: method"):
+        recipe(tmp_path, mode="lora", norms=True)
+
+
 def test_method_mode_needs_compressed_layers(tmp_path, tokenizer):
     with pytest.raises(UsageError, match="no compressed layers"):
         finetune(tiny_model("llama"), tokenizer, recipe(tmp_path, mode="method"))

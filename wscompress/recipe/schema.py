@@ -208,11 +208,21 @@ class FinetuneConfig(Strict):
                                       "it; steps becomes an upper bound")
     mixed_precision: Literal["no", "bf16", "fp16"] = "no"
     penalty: float = Field(0.0, ge=0, description="Frobenius penalty on low-rank deltas (soft_share)")
+    norms: bool = Field(False, description="mode method: the normalisation layers' gains train too (stored "
+                        "uncompressed anyway; a gain before a projection rescales its input columns, which a "
+                        "codebook cannot)")
     lora: LoraConfig = Field(default_factory=LoraConfig)
     dkm: DKMConfig = Field(default_factory=DKMConfig)
     bos: Literal["auto", "window", "stream", "none"] = Field("auto", description=BOS_HELP)
     distill: DistillConfig | None = Field(None, description="distil from the original model instead of the LM loss alone")
     seed: int = 0
+
+    @model_validator(mode="after")
+    def _norms_with_method(self):
+        if self.norms and self.mode != "method":
+            raise ValueError(f"norms applies to mode: method (mode {self.mode} "
+                             + ("trains them already)" if self.mode == "full" else "does not train them)"))
+        return self
 
 
 class EvalConfig(Strict):

@@ -43,7 +43,7 @@ from ..recipe.schema import FinetuneConfig, Recipe
 CKPT = "finetune-checkpoint"
 # what must match for a checkpoint to continue the same run
 RESUME_KEYS = ("mode", "dataset", "seq_len", "batch_size", "grad_accum", "steps", "lr", "weight_decay", "schedule",
-               "warmup_steps", "max_minutes", "penalty", "lora", "dkm", "bos", "distill", "seed")
+               "warmup_steps", "max_minutes", "penalty", "norms", "lora", "dkm", "bos", "distill", "seed")
 
 
 def _run_config(cfg: FinetuneConfig) -> dict:
@@ -110,6 +110,8 @@ def prepare(model: nn.Module, cfg: FinetuneConfig) -> tuple[nn.Module, list[nn.P
         if not params:
             raise UsageError("finetune.mode 'method': the model has no compressed layers or shared modules to train",
                              "use mode: full or lora, or compress the model first")
+        if cfg.norms:
+            params += [p for m in model.modules() if type(m).__name__.endswith("Norm") for p in m.parameters()]
     elif cfg.mode == "lora":
         from peft import LoraConfig, get_peft_model
 
