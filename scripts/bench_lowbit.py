@@ -7,7 +7,8 @@ Rows (each at every --bits where it applies):
 - ours: `kmeans` scalar per channel (the default), vector codebooks (2-d, one codebook per 64
   output channels; 4-d, one per matrix at 2 bits) with the outliers the bits budget leaves room
   for, and any of them followed by `finetune` (mode: method, the codebooks train) for --minutes,
-  on the LM loss or, with --kd, distilling the dense model's next-token distributions.
+  on the LM loss or, with --kd, distilling the dense model's next-token distributions (--norms:
+  the normalisation gains train too).
 - RTN: round to nearest on a uniform grid per group of input columns (min/max, asymmetric), a
   float16 scale and an 8-bit zero point per group (as compressed-tensors stores them).
 - GPTQ with groups as llm-compressor runs it (`oneshot` + `GPTQModifier`, asymmetric, static
@@ -26,8 +27,8 @@ shaped like LLaMA-7B's (hidden 4096, FFN 11008, 32 heads; random weights, tied 4
 embeddings so SmolLM2's tokenizer feeds it), on --tokens calibration tokens of wiki.train: the
 pass is layer by layer, so 32 times that is the cost at 7B (outputs/lowbit/layer_cost.json).
 
-Usage: python scripts/bench_lowbit.py [--rows LABEL ...] [--bits 2 3 4] [--windows 40] [--minutes 30] [--kd]
-                                      [--peers PYTHON] [--threads N]
+Usage: python scripts/bench_lowbit.py [--rows LABEL ...] [--bits 2 3 4] [--windows 40] [--minutes 30]
+                                      [--kd] [--norms] [--peers PYTHON] [--threads N]
        python scripts/bench_lowbit.py --layer-cost [--bits 2 3] [--tokens 8192]
 """
 
@@ -145,6 +146,7 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-4, help="learning rate of the recovery rows (codebooks)")
     ap.add_argument("--kd", action="store_true", help="recovery rows distil from the dense model (KL on the "
                     "next-token distributions) instead of training on the LM loss")
+    ap.add_argument("--norms", action="store_true", help="recovery rows train the normalisation gains too")
     ap.add_argument("--peers", default=None, help="a Python with llmcompressor (GPTQ rows; skipped without)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", type=Path, default=REPO / "outputs" / "lowbit")
@@ -174,7 +176,8 @@ def main() -> None:
             "finetune": {"mode": mode, "dataset": "builtin:wiki.train", "seq_len": 256, "batch_size": 4, "steps": 100_000,
                          "max_minutes": args.minutes, "lr": args.lr, "warmup_steps": 10, "eval_windows": 4,
                          **({"dkm": {"bits": bits}} if mode == "dkm" else {}),
-                         **({"distill": {"kl": 1.0}} if args.kd and mode == "method" else {})},
+                         **({"distill": {"kl": 1.0}} if args.kd and mode == "method" else {}),
+                         **({"norms": True} if args.norms and mode == "method" else {})},
             "eval": {"perplexity": [TEXTS[0]]}, "output": {"dir": str(out / "ft")}})
         return finetune(model, tok, ft, teacher=original if args.kd else None)
 
@@ -193,7 +196,7 @@ def main() -> None:
         bpw = quantize(model)
         return model, {"bits_per_weight": round(bpw, 3), "compress_s": round(time.perf_counter() - start, 1)}
 
-    trained = f" + {args.minutes:g} min training (codebooks{', KD' if args.kd else ''})"
+    trained = f" + {args.minutes:g} min training (codebooks{' + norms' if args.norms else ''}{', KD' if args.kd else ''})"
     runs: list[tuple[str, int, Callable[[], tuple[torch.nn.Module, dict]]]] = []  # (label, bits, make)
     for b in args.bits:
         for label, stages_of in OURS.items():
