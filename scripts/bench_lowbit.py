@@ -172,14 +172,15 @@ def main() -> None:
                 for t in TEXTS}
 
     def train(model, mode: str, bits: int | None = None) -> tuple[torch.nn.Module, dict]:
+        kd = args.kd and mode == "method"
         ft = load_recipe(data={
             "finetune": {"mode": mode, "dataset": "builtin:wiki.train", "seq_len": 256, "batch_size": 4, "steps": 100_000,
                          "max_minutes": args.minutes, "lr": args.lr, "warmup_steps": 10, "eval_windows": 4,
                          **({"dkm": {"bits": bits}} if mode == "dkm" else {}),
-                         **({"distill": {"kl": 1.0}} if args.kd and mode == "method" else {}),
+                         **({"distill": {"kl": 1.0}} if kd else {}),
                          **({"norms": True} if args.norms and mode == "method" else {})},
             "eval": {"perplexity": [TEXTS[0]]}, "output": {"dir": str(out / "ft")}})
-        return finetune(model, tok, ft, teacher=original if args.kd else None)
+        return finetune(model, tok, ft, teacher=original if kd else None)
 
     def one_shot(stages: list[dict]) -> tuple[torch.nn.Module, dict]:
         model = copy.deepcopy(original)

@@ -51,15 +51,18 @@ def _run_config(cfg: FinetuneConfig) -> dict:
     return {k: v.model_dump() if hasattr(v, "model_dump") else v for k in RESUME_KEYS for v in [getattr(cfg, k)]}
 
 
-def method_parameters(model: nn.Module) -> list[nn.Parameter]:
+def method_parameters(model: nn.Module, norms: bool = False) -> list[nn.Parameter]:
     """What ``mode: method`` trains: each compressed layer's ``trainable_parameters()`` (all its
     parameters by default) and the parameters of the modules structural stages marked
-    (``storage.mark_trainable``: shared, merged, pooled modules, factorised embeddings)."""
+    (``storage.mark_trainable``: shared, merged, pooled modules, factorised embeddings); with
+    ``norms`` the normalisation layers' too (each parameter once, however many reach it)."""
     params: dict[int, nn.Parameter] = {}
     for module in model.modules():
         if isinstance(module, CompressedLinear) or hasattr(module, "trainable_parameters"):
             getter = getattr(module, "trainable_parameters", module.parameters)
             params.update((id(p), p) for p in getter())
+        elif norms and type(module).__name__.endswith("Norm"):
+            params.update((id(p), p) for p in module.parameters())
     for module in storage.trainable_modules(model):
         params.update((id(p), p) for p in module.parameters())
     return list(params.values())
@@ -106,12 +109,10 @@ def prepare(model: nn.Module, cfg: FinetuneConfig) -> tuple[nn.Module, list[nn.P
     if cfg.mode == "full":
         params = list(model.parameters())
     elif cfg.mode == "method":
-        params = method_parameters(model)
-        if not params:
+        if not method_parameters(model):
             raise UsageError("finetune.mode 'method': the model has no compressed layers or shared modules to train",
                              "use mode: full or lora, or compress the model first")
-        if cfg.norms:
-            params += [p for m in model.modules() if type(m).__name__.endswith("Norm") for p in m.parameters()]
+        params = method_parameters(model, cfg.norms)
     elif cfg.mode == "lora":
         from peft import LoraConfig, get_peft_model
 
