@@ -62,13 +62,13 @@ TEXTS = ["builtin:wiki.test", "builtin:brown"]
 # label -> bits -> the stages (None: not at these bits). Outliers as the bits-per-weight budget
 # of the issue's targets leaves room for (0.1 % cost 0.048 bits per weight: fp16 value + position)
 OUTLIERS = {2: 0.0025, 3: 0.0015, 4: 0.001}
-OURS: dict[str, Callable[[int], list[dict] | None]] = {
-    "kmeans per channel (default)": lambda b: [{"method": "kmeans", "bits": b}],
-    "kmeans 2-d vectors, a codebook per 64 channels": lambda b: [
+OURS: dict[str, Callable[[int, float], list[dict] | None]] = {  # (bits, outliers) -> stages
+    "kmeans per channel (default)": lambda b, o: [{"method": "kmeans", "bits": b}],
+    "kmeans 2-d vectors, a codebook per 64 channels": lambda b, o: [
         {"method": "kmeans", "bits": 2 * b, "cluster_dim": 2, "granularity": "grouped", "group_size": 64,
-         "outliers": OUTLIERS[b]}],
-    "kmeans 4-d vectors, a codebook per matrix": lambda b: [
-        {"method": "kmeans", "bits": 4 * b, "cluster_dim": 4, "granularity": "per_tensor", "outliers": OUTLIERS[b]}]
+         "outliers": o}],
+    "kmeans 4-d vectors, a codebook per matrix": lambda b, o: [
+        {"method": "kmeans", "bits": 4 * b, "cluster_dim": 4, "granularity": "per_tensor", "outliers": o}]
     if b == 2 else None,
 }
 # groups per bits (input columns sharing a scale); SmolLM2's 576 columns rule out the common 128
@@ -122,7 +122,7 @@ def layer_cost(args, recipe, tok, out: Path) -> None:
     rows = []
     for b in args.bits:
         for label, stages_of in OURS.items():
-            if (stages := stages_of(b)) is None or args.rows and not any(label.startswith(r) for r in args.rows):
+            if (stages := stages_of(b, OUTLIERS[b])) is None or args.rows and not any(label.startswith(r) for r in args.rows):
                 continue
             model = copy.deepcopy(layer)
             run.compress = load_recipe(data={"compress": stages}).compress
@@ -147,6 +147,8 @@ def main() -> None:
     ap.add_argument("--kd", action="store_true", help="recovery rows distil from the dense model (KL on the "
                     "next-token distributions) instead of training on the LM loss")
     ap.add_argument("--norms", action="store_true", help="recovery rows train the normalisation gains too")
+    ap.add_argument("--outliers", type=float, default=None, help="fraction of weights the vector rows keep aside "
+                    "(default: OUTLIERS, per bits); named in the row's label")
     ap.add_argument("--peers", default=None, help="a Python with llmcompressor (GPTQ rows; skipped without)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", type=Path, default=REPO / "outputs" / "lowbit")
@@ -197,11 +199,16 @@ def main() -> None:
         bpw = quantize(model)
         return model, {"bits_per_weight": round(bpw, 3), "compress_s": round(time.perf_counter() - start, 1)}
 
-    trained = f" + {args.minutes:g} min training (codebooks{' + norms' if args.norms else ''}{', KD' if args.kd else ''})"
+    # the codebooks train with the outliers' values (earlier rows in results.json: codebooks alone)
+    trained = (f" + {args.minutes:g} min training (codebooks and outliers{' + norms' if args.norms else ''}"
+               f"{', KD' if args.kd else ''})")
     runs: list[tuple[str, int, Callable[[], tuple[torch.nn.Module, dict]]]] = []  # (label, bits, make)
     for b in args.bits:
         for label, stages_of in OURS.items():
-            if (stages := stages_of(b)) is not None:
+            share = OUTLIERS[b] if args.outliers is None else args.outliers
+            if label != "kmeans per channel (default)" and share != OUTLIERS[b]:
+                label += f", {100 * share:g} % outliers"
+            if (stages := stages_of(b, share)) is not None:
                 runs += [(label, b, lambda s=stages: one_shot(s)), (label + trained, b, lambda s=stages: one_shot(s))]
         runs += [(f"RTN g{g}", b, lambda b=b, g=g: peer(lambda m: rtn_(m, b, g))) for g in RTN_GROUPS.get(b, [64])]
         if args.peers:

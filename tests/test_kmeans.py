@@ -17,6 +17,7 @@ from wscompress.maths import clustering
 from wscompress.maths.clustering import cluster
 from wscompress.model.modeling_wscompress import PalettizedLinear
 from wscompress.recipe.load import load_recipe
+from wscompress.recovery.finetune import finetune
 
 from conftest import (
     REPO,
@@ -28,6 +29,7 @@ from conftest import (
     real_texts,
     tiny_model,
 )
+from test_finetune import recipe
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 # the data-free path: plain k-means, nearest centroids, nothing aside, fp32 codebooks
@@ -282,11 +284,20 @@ def test_tied_embedding_and_head_are_one_palettized_table(tokenizer, tmp_path, o
     torch.testing.assert_close(_outputs(stock, x), _outputs(model, x), rtol=1e-5, atol=1e-5)
 
 
-def test_finetune_method_mode_trains_the_centroids():
+def test_finetune_method_mode_trains_the_centroids_and_the_weights_kept_aside(tmp_path, tokenizer):
     model = tiny_model("llama")
-    wscompress.compress(model, [{"method": "kmeans", "bits": 2, **FAST}])
+    wscompress.compress(model, [{"method": "kmeans", "bits": 2, **FAST, "outliers": 0.01}])
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    model, _ = finetune(model, tokenizer, recipe(tmp_path, mode="method"))
     layer = model.model.layers[0].mlp.up_proj
-    assert list(layer.trainable_parameters()) == [layer.codebook]
+    assert layer.trainable_parameters() == [layer.codebook, layer.outlier_value]
+    after = model.state_dict()
+    moved = {k for k in after if not torch.equal(after[k], before[k])}
+    assert moved and all(k.endswith(("codebook", "outlier_value")) for k in moved)  # indices and positions stay
+    assert any(k.endswith("outlier_value") for k in moved)
+    storage.save(model, tokenizer, tmp_path / "m")  # the trained values are what the file holds
+    x = torch.randint(0, 512, (2, 16))
+    torch.testing.assert_close(_outputs(storage.load(tmp_path / "m")[0], x), _outputs(model, x), rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("stage,where", [

@@ -426,7 +426,7 @@ class PalettizedLinear(CompressedLinear):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         if outliers:
             self.register_buffer("outlier_index", torch.empty(outliers, dtype=torch.int32))
-            self.register_buffer("outlier_value", torch.empty(outliers))
+            self.outlier_value = nn.Parameter(torch.empty(outliers))  # a parameter: fine-tuning trains it
         self.register_buffer("indices", torch.empty(packed_nbytes(n, bits), dtype=torch.uint8),
                              persistent=stream_bytes is None)
         if stream_bytes is not None:
@@ -455,7 +455,7 @@ class PalettizedLinear(CompressedLinear):
         layer.indices = pack(indices, layer.bits)
         if outliers is not None:
             layer.outlier_index = outliers[0].to(torch.int32)
-            layer.outlier_value = outliers[1].detach().to(stored).to(codebook.dtype)
+            layer.outlier_value = nn.Parameter(outliers[1].detach().to(stored).to(codebook.dtype))
         if bias is not None:
             layer.bias = nn.Parameter(bias.detach().clone())
         if stream is not None:
@@ -566,7 +566,8 @@ class PalettizedLinear(CompressedLinear):
     def lut_forward(self, x: torch.Tensor) -> torch.Tensor | None:
         """x @ Wᵀ by a registered look-up-table kernel, never forming W; None where it does not apply."""
         fast = KERNELS.get("palettized")
-        if fast is None or torch.is_grad_enabled() and (x.requires_grad or self.codebook.requires_grad):
+        if fast is None or torch.is_grad_enabled() and (
+                x.requires_grad or any(p.requires_grad for p in self.trainable_parameters())):
             return None  # the codebook trains: autograd needs the torch path (and the layout would go stale each step)
         layout = self.kernel_layout()
         if layout is None:
@@ -575,8 +576,9 @@ class PalettizedLinear(CompressedLinear):
         return fast(x, indices, width, tables, self.group_size, self.out_features, sparse)
 
     def trainable_parameters(self) -> list[nn.Parameter]:
-        """Fine-tuning a palettized layer trains its centroids (Deep Compression)."""
-        return [self.codebook]
+        """Fine-tuning a palettized layer trains its centroids (Deep Compression) and the weights
+        kept aside (as SpQR and PV-tuning do): both are stored as values, so training is free in size."""
+        return [self.codebook] + ([self.outlier_value] if self.outliers else [])
 
     def storage_bits(self) -> int:
         """Bits this layer's indices, codebook and outliers take on disk (what is saved)."""
@@ -789,7 +791,7 @@ def settle(model: nn.Module, dtype: torch.dtype | None) -> None:
                 with torch.no_grad():
                     module.codebook.data = module.codebook.data.to(dtype)
                     if module.outliers:
-                        module.outlier_value = module.outlier_value.to(dtype)
+                        module.outlier_value.data = module.outlier_value.data.to(dtype)
 
 
 def write_code(folder: str | os.PathLike) -> None:
