@@ -55,6 +55,13 @@ MODELS = {  # label -> compress stages (empty: the dense model)
                                                    "group_size": 64, "iterations": 5, "n_init": 1}],
     "kmeans 2-bit, 4-d vectors per matrix": [{**PLAIN, "bits": 8, "cluster_dim": 4, "granularity": "per_tensor",
                                               "iterations": 5, "n_init": 1}],
+    # the layouts of configs/kmeans_{3,2}bit.yaml, with their weights kept aside (each row corrects its outputs)
+    "kmeans 3-bit, 2-d vectors per 64 channels + 0.4 % outliers": [
+        {**PLAIN, "bits": 6, "cluster_dim": 2, "granularity": "grouped", "group_size": 64, "iterations": 5, "n_init": 1,
+         "outliers": 0.004}],
+    "kmeans 2-bit, 4-d vectors per matrix + 0.5 % outliers": [
+        {**PLAIN, "bits": 8, "cluster_dim": 4, "granularity": "per_tensor", "iterations": 5, "n_init": 1,
+         "outliers": 0.005}],
     "svd 20 %": [{"method": "svd", "whitening": False, "ratio": 0.2}],
     "svd 40 %": [{"method": "svd", "whitening": False, "ratio": 0.4}],
 }
