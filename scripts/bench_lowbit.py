@@ -205,9 +205,9 @@ def main() -> None:
                f"{', KD' if args.kd else ''})")
     runs: list[tuple[str, int, Callable[[], tuple[torch.nn.Module, dict]]]] = []  # (label, bits, make)
     for b in args.bits:
+        share = OUTLIERS[b] if args.outliers is None else args.outliers
         for label, stages_of in OURS.items():
-            share = OUTLIERS[b] if args.outliers is None else args.outliers
-            if label != "kmeans per channel (default)" and share != OUTLIERS[b]:
+            if label != "kmeans per channel (default)" and share != OUTLIERS[b]:  # that row keeps kmeans' default
                 label += f", {100 * share:g} % outliers"
             if (stages := stages_of(b, share)) is not None:
                 runs += [(label, b, lambda s=stages: one_shot(s)), (label + trained, b, lambda s=stages: one_shot(s))]
