@@ -5,7 +5,7 @@ side by side with what a user would reach for at the same bits.
 
 Rows (each at every --bits where it applies):
 - ours: `kmeans` scalar per channel (the default), vector codebooks (2-d, one codebook per 64
-  output channels; 4-d, one per matrix at 2 bits) with weights kept aside (OUTLIERS, or
+  output channels, or per 192 at 4 bits; 4-d, one per matrix at 2 bits) with weights kept aside (OUTLIERS, or
   --outliers), and any of them followed by `finetune` (mode: method: the codebooks and the
   kept-aside weights train) for --minutes, on the LM loss or, with --kd, distilling the dense
   model's next-token distributions (--norms: the normalisation gains train too).
@@ -20,7 +20,9 @@ Rows (each at every --bits where it applies):
 - DKM as it stands: `finetune` mode dkm from the dense model for --minutes.
 Bits per weight count everything the decoder linears store: indices, codebooks, outliers, scales
 and zero points. Writes outputs/lowbit/results.{json,md} after every row (rows already there are
-kept) and prints the table.
+kept) and prints the table. Our one-shot models are saved in outputs/lowbit/oneshot/ (delete it
+after changing the method): a training row starts from its one-shot model there instead of
+repeating the pass (7-16 minutes each).
 
 With --layer-cost it instead times the one-shot pass of each of our rows on one decoder layer
 shaped like LLaMA-7B's (hidden 4096, FFN 11008, 32 heads; random weights, tied 49152-token
@@ -37,6 +39,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import re
 import subprocess
 import tempfile
 import time
@@ -47,7 +50,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from wscompress.evaluation.perplexity import evaluate_text
-from wscompress.io import data
+from wscompress.io import data, storage
 from wscompress.io.checkpoints import builtin_dir, load_model
 from wscompress.io.ui import markdown_table
 from wscompress.model.arch import discover
@@ -71,6 +74,11 @@ OURS: dict[str, Callable[[int, float], list[dict] | None]] = {
     "kmeans 4-d vectors, a codebook per matrix": lambda b, o: [
         {"method": "kmeans", "bits": 4 * b, "cluster_dim": 4, "granularity": "per_tensor", "outliers": o}]
     if b == 2 else None,
+    # 4 bits: a third of the per-64 codebook cost (0.06 instead of 0.19 bits per weight) goes to outliers;
+    # 192 divides every SmolLM2 projection (k/v have 192 rows)
+    "kmeans 2-d vectors, a codebook per 192 channels": lambda b, o: [
+        {"method": "kmeans", "bits": 2 * b, "cluster_dim": 2, "granularity": "grouped", "group_size": 192,
+         "outliers": o}] if b == 4 else None,
 }
 # groups per bits (input columns sharing a scale); SmolLM2's 576 columns rule out the common 128
 RTN_GROUPS = {2: [32, 64], 3: [32, 64], 4: [64]}
@@ -194,6 +202,15 @@ def main() -> None:
         return model, {"bits_per_weight": round(report[-1]["bits_per_weight"], 3),
                        "compress_s": round(time.perf_counter() - start, 1)}
 
+    def cached(label: str, b: int, stages: list[dict]) -> tuple[torch.nn.Module, dict]:
+        path = out / "oneshot" / (f"{b}-" + re.sub(r"[^\w.]+", "-", label))
+        if (path / "row.json").is_file():
+            return storage.load(path)[0], json.loads((path / "row.json").read_text())
+        model, row = one_shot(stages)
+        storage.save(model, tok, path)
+        (path / "row.json").write_text(json.dumps(row))
+        return model, row
+
     def peer(quantize: Callable[[torch.nn.Module], float]) -> tuple[torch.nn.Module, dict]:
         model = copy.deepcopy(original)
         start = time.perf_counter()
@@ -210,7 +227,7 @@ def main() -> None:
             if label != "kmeans per channel (default)" and share != OUTLIERS[b]:  # that row keeps kmeans' default
                 label += f", {100 * share:g} % outliers"
             if (stages := stages_of(b, share)) is not None:
-                runs += [(label, b, lambda s=stages: one_shot(s)), (label + trained, b, lambda s=stages: one_shot(s))]
+                runs += [(row, b, lambda label=label, b=b, s=stages: cached(label, b, s)) for row in (label, label + trained)]
         runs += [(f"RTN g{g}", b, lambda b=b, g=g: peer(lambda m: rtn_(m, b, g))) for g in RTN_GROUPS.get(b, [64])]
         if args.peers:
             runs += [(f"GPTQ g{g} (llm-compressor)", b, lambda b=b, g=g: peer(lambda m: gptq_(m, args.peers, b, g, batches)))
@@ -223,22 +240,17 @@ def main() -> None:
     def wanted(label: str) -> bool:  # a training row only where asked for ("+" in the given words)
         return args.rows is None or any(label.startswith(r) and ("+" in r or " + " not in label) for r in args.rows)
 
-    kept: dict[tuple[str, int], tuple[torch.nn.Module, dict]] = {}  # one-shot models the training rows start from
     for label, b, make in runs:
         if not wanted(label) or any(r["method"] == label and r.get("bits") == b for r in rows):
             continue
+        start = time.perf_counter()
+        model, row = make()
         if label.startswith("DKM"):
-            start = time.perf_counter()
-            model, report = train(make()[0], "dkm", b)
+            model, report = train(model, "dkm", b)
             row = {"bits_per_weight": round(report["dkm"]["bits_per_weight"], 3), "train_s": round(time.perf_counter() - start)}
         elif label.endswith(trained):
-            model, row = kept.pop((label.removesuffix(trained), b), None) or make()
             model, report = train(model, "method")
             row = {**row, "train_s": report["history"][-1]["seconds"], "steps": report["steps"]}
-        else:
-            model, row = make()
-            if wanted(label + trained) and (label + trained, b) in {(lb, bb) for lb, bb, _ in runs}:
-                kept[label, b] = (copy.deepcopy(model), row)
         ppl = scores(model)
         rows.append({"method": label, "bits": b, **row, **ppl, **{f"{t} x": round(ppl[t] / dense[t], 3) for t in ppl}})
         print(rows[-1], flush=True)
