@@ -30,7 +30,7 @@ embeddings so SmolLM2's tokenizer feeds it), on --tokens calibration tokens of w
 pass is layer by layer, so 32 times that is the cost at 7B (outputs/lowbit/layer_cost.json).
 
 Usage: python scripts/bench_lowbit.py [--rows LABEL ...] [--bits 2 3 4] [--windows 40] [--minutes 30]
-                                      [--kd] [--norms] [--outliers F] [--peers PYTHON] [--threads N]
+                                      [--kd] [--norms] [--lr LR] [--outliers F] [--peers PYTHON] [--threads N]
        python scripts/bench_lowbit.py --layer-cost [--bits 2 3] [--tokens 8192]
 """
 
@@ -80,6 +80,7 @@ OURS: dict[str, Callable[[int, float], list[dict] | None]] = {
         {"method": "kmeans", "bits": 2 * b, "cluster_dim": 2, "granularity": "grouped", "group_size": 192,
          "outliers": o}] if b == 4 else None,
 }
+LR = 1e-4  # of the recovery rows; another one is named in the row's label
 # groups per bits (input columns sharing a scale); SmolLM2's 576 columns rule out the common 128
 RTN_GROUPS = {2: [32, 64], 3: [32, 64], 4: [64]}
 GPTQ_GROUPS = {2: [32, 64], 3: [64], 4: [64]}
@@ -152,7 +153,7 @@ def main() -> None:
     ap.add_argument("--bits", type=int, nargs="+", default=[2, 3, 4])
     ap.add_argument("--windows", type=int, default=40)
     ap.add_argument("--minutes", type=float, default=30.0, help="training budget of the recovery and DKM rows")
-    ap.add_argument("--lr", type=float, default=1e-4, help="learning rate of the recovery rows (codebooks)")
+    ap.add_argument("--lr", type=float, default=LR, help="learning rate of the recovery rows (codebooks)")
     ap.add_argument("--kd", action="store_true", help="recovery rows distil from the dense model (KL on the "
                     "next-token distributions) instead of training on the LM loss")
     ap.add_argument("--norms", action="store_true", help="recovery rows train the normalisation gains too")
@@ -219,7 +220,7 @@ def main() -> None:
 
     # the codebooks train with the outliers' values (earlier rows in results.json: codebooks alone)
     trained = (f" + {args.minutes:g} min training (codebooks and outliers{' + norms' if args.norms else ''}"
-               f"{', KD' if args.kd else ''})")
+               f"{', KD' if args.kd else ''}{'' if args.lr == LR else f', lr {args.lr:g}'})")
     runs: list[tuple[str, int, Callable[[], tuple[torch.nn.Module, dict]]]] = []  # (label, bits, make)
     for b in args.bits:
         share = OUTLIERS[b] if args.outliers is None else args.outliers
