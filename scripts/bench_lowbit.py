@@ -62,23 +62,24 @@ REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "protocol.yaml"
 TEXTS = ["builtin:wiki.test", "builtin:brown"]
 
+
+def vectors(dim: int, b: int, o: float, **layout) -> list[dict]:
+    """A vector-codebook stage at b bits a weight: dim weights share one of 2^(dim*b) centroids."""
+    return [{"method": "kmeans", "bits": dim * b, "cluster_dim": dim, "outliers": o, **layout}]
+
+
 # label -> (bits, outliers) -> the stages (None: not at these bits). Outliers kept aside by the
 # vector rows unless --outliers says otherwise (0.1 % cost 0.048 bits per weight: fp16 value +
 # int32 position); the budgets of the issue's targets leave room for 0.5 % at 2 bits, 0.4 % at 3
 OUTLIERS = {2: 0.0025, 3: 0.0015, 4: 0.001}
 OURS: dict[str, Callable[[int, float], list[dict] | None]] = {
     "kmeans per channel (default)": lambda b, o: [{"method": "kmeans", "bits": b}],
-    "kmeans 2-d vectors, a codebook per 64 channels": lambda b, o: [
-        {"method": "kmeans", "bits": 2 * b, "cluster_dim": 2, "granularity": "grouped", "group_size": 64,
-         "outliers": o}],
-    "kmeans 4-d vectors, a codebook per matrix": lambda b, o: [
-        {"method": "kmeans", "bits": 4 * b, "cluster_dim": 4, "granularity": "per_tensor", "outliers": o}]
-    if b == 2 else None,
+    "kmeans 2-d vectors, a codebook per 64 channels": lambda b, o: vectors(2, b, o, granularity="grouped", group_size=64),
+    "kmeans 4-d vectors, a codebook per matrix": lambda b, o: vectors(4, b, o, granularity="per_tensor") if b == 2 else None,
     # 4 bits: a third of the per-64 codebook cost (0.06 instead of 0.19 bits per weight) goes to outliers;
     # 192 divides every SmolLM2 projection (k/v have 192 rows)
-    "kmeans 2-d vectors, a codebook per 192 channels": lambda b, o: [
-        {"method": "kmeans", "bits": 2 * b, "cluster_dim": 2, "granularity": "grouped", "group_size": 192,
-         "outliers": o}] if b == 4 else None,
+    "kmeans 2-d vectors, a codebook per 192 channels": lambda b, o: vectors(2, b, o, granularity="grouped", group_size=192)
+    if b == 4 else None,
 }
 LR = 1e-4  # of the recovery rows; another one is named in the row's label
 # groups per bits (input columns sharing a scale); SmolLM2's 576 columns rule out the common 128

@@ -40,6 +40,10 @@ from wscompress.workflow import apply_stages
 REPO = Path(__file__).resolve().parents[1]
 PLAIN = {"method": "kmeans", "sensitivity": "none", "error_feedback": False, "refit": False, "outliers": 0,
          "codebook_dtype": "float32"}
+# vector codebooks (bits per weight = bits / cluster_dim); few iterations: the speed does not depend on them
+VQ = {**PLAIN, "iterations": 5, "n_init": 1}
+VQ3 = {**VQ, "bits": 6, "cluster_dim": 2, "granularity": "grouped", "group_size": 64}  # configs/kmeans_3bit.yaml's layout
+VQ2 = {**VQ, "bits": 8, "cluster_dim": 4, "granularity": "per_tensor"}  # configs/kmeans_2bit.yaml's layout
 MODELS = {  # label -> compress stages (empty: the dense model)
     "dense": [],
     "kmeans 4-bit per channel": [{**PLAIN, "bits": 4}],
@@ -48,20 +52,12 @@ MODELS = {  # label -> compress stages (empty: the dense model)
     "kmeans 3-bit per channel": [{**PLAIN, "bits": 3}],
     "kmeans 2-bit per channel": [{**PLAIN, "bits": 2}],
     "kmeans 4-bit grouped 64": [{**PLAIN, "bits": 4, "granularity": "grouped", "group_size": 64}],
-    # vector codebooks (bits per weight = bits / cluster_dim); few iterations: the speed does not depend on them
-    "kmeans 2-bit, 2-d vectors per 64 channels": [{**PLAIN, "bits": 4, "cluster_dim": 2, "granularity": "grouped",
-                                                   "group_size": 64, "iterations": 5, "n_init": 1}],
-    "kmeans 3-bit, 2-d vectors per 64 channels": [{**PLAIN, "bits": 6, "cluster_dim": 2, "granularity": "grouped",
-                                                   "group_size": 64, "iterations": 5, "n_init": 1}],
-    "kmeans 2-bit, 4-d vectors per matrix": [{**PLAIN, "bits": 8, "cluster_dim": 4, "granularity": "per_tensor",
-                                              "iterations": 5, "n_init": 1}],
-    # the layouts of configs/kmeans_{3,2}bit.yaml, with their weights kept aside (each row corrects its outputs)
-    "kmeans 3-bit, 2-d vectors per 64 channels + 0.4 % outliers": [
-        {**PLAIN, "bits": 6, "cluster_dim": 2, "granularity": "grouped", "group_size": 64, "iterations": 5, "n_init": 1,
-         "outliers": 0.004}],
-    "kmeans 2-bit, 4-d vectors per matrix + 0.5 % outliers": [
-        {**PLAIN, "bits": 8, "cluster_dim": 4, "granularity": "per_tensor", "iterations": 5, "n_init": 1,
-         "outliers": 0.005}],
+    "kmeans 2-bit, 2-d vectors per 64 channels": [{**VQ3, "bits": 4}],
+    "kmeans 3-bit, 2-d vectors per 64 channels": [VQ3],
+    "kmeans 2-bit, 4-d vectors per matrix": [VQ2],
+    # the shipped recipes' layouts with their weights kept aside (each row corrects its outputs)
+    "kmeans 3-bit, 2-d vectors per 64 channels + 0.4 % outliers": [{**VQ3, "outliers": 0.004}],
+    "kmeans 2-bit, 4-d vectors per matrix + 0.5 % outliers": [{**VQ2, "outliers": 0.005}],
     "svd 20 %": [{"method": "svd", "whitening": False, "ratio": 0.2}],
     "svd 40 %": [{"method": "svd", "whitening": False, "ratio": 0.4}],
 }
