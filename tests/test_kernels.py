@@ -26,7 +26,7 @@ def test_kernels_build_where_a_compiler_exists():
 
 
 def layer(bits: int, group_size: int, out: int = 48, inp: int = 72, outliers: int = 0, seed: int = 0,
-          d: int = 1) -> PalettizedLinear:
+          d: int = 1, scaled: bool = False) -> PalettizedLinear:
     gen = torch.Generator().manual_seed(seed)
     w = torch.randn(out, inp, generator=gen)
     codebook, idx = cluster(w.reshape(out // group_size, -1, d), bits)
@@ -34,8 +34,9 @@ def layer(bits: int, group_size: int, out: int = 48, inp: int = 72, outliers: in
     if outliers:
         pos = torch.randperm(out * inp, generator=gen)[:outliers].sort().values
         kept = (pos, w.flatten()[pos])
+    scale = torch.rand(out, generator=gen) + 0.5 if scaled else None
     return PalettizedLinear.from_clusters(codebook, idx.reshape(out, inp // d), torch.randn(out, generator=gen),
-                                          outliers=kept)
+                                          outliers=kept, scale=scale)
 
 
 @pytest.mark.skipif(kernels.lut() is None, reason="kernels not built here")
@@ -86,6 +87,29 @@ def test_outlier_corrections_follow_a_trained_codebook():
         lin.outlier_index.copy_(lin.outlier_index.flip(0))
         lin.outlier_value.copy_(lin.outlier_value.flip(0))
         check()
+
+
+@pytest.mark.skipif(kernels.lut() is None, reason="kernels not built here")
+@pytest.mark.parametrize("d, bits, group_size, outliers", [(1, 4, 16, 5), (2, 8, 48, 6), (4, 8, 16, 0)])
+def test_row_scales_decode_through_the_kernel(d, bits, group_size, outliers):
+    """Row scales multiply the kernel's output; the outliers' corrections (exact over scale,
+    minus the codebook value) follow a scale changed in place, as a fine-tuning step does."""
+    lin = layer(bits, group_size, outliers=outliers, d=d, scaled=True)
+
+    def check():
+        for rows in (1, DECODE_ROWS + 1):
+            x = torch.randn(rows, 72)
+            assert lin.lut_forward(x) is not None
+            torch.testing.assert_close(lin(x), F.linear(x, lin.dense_weight(), lin.bias), rtol=1e-5, atol=1e-5)
+
+    with torch.no_grad():
+        check()
+        lin.scale.mul_(torch.linspace(0.5, 2, 48))
+        check()
+        if outliers:  # kept-aside weights are exact, whatever the scale
+            pos = lin.outlier_index.long()
+            torch.testing.assert_close(lin.dense_weight().flatten()[pos], lin.outlier_value)
+        torch.testing.assert_close(lin.rows(torch.tensor([0, 47, 5])), lin.dense_weight()[[0, 47, 5]])
 
 
 def test_gradients_and_odd_rows_take_the_reference_path():

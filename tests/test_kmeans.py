@@ -147,6 +147,25 @@ def test_error_feedback_lowers_the_layer_output_error(d):
     assert values.shape == (2,) and torch.isfinite(values).all()
 
 
+def test_row_scales_let_one_codebook_serve_rows_of_any_magnitude():
+    """Rows of the same shape but magnitudes 100x apart: one shared codebook of raw values spends
+    its centroids on the large rows, one of normalised values (``row_scale``) serves every row;
+    the layer then computes with each row's stored scale, and the weights kept aside stay exact."""
+    from wscompress.methods.kmeans import KMeansConfig, palettize
+
+    w = laplace(32, 64, seed=3) * torch.logspace(-1, 1, 32)[:, None]
+    lin = torch.nn.Linear(64, 32, bias=False)
+    lin.weight.data = w
+    common = {"bits": 4, "cluster_dim": 2, "granularity": "per_tensor", **FAST, "outliers": 0.01}
+    raw, scaled = (palettize(lin, KMeansConfig(**common, row_scale=s)) for s in (False, True))
+    rel = lambda layer: (((layer.dense_weight() - w) / w.norm(dim=1, keepdim=True)) ** 2).mean().item()  # noqa: E731
+    assert rel(scaled) < 0.5 * rel(raw)  # each row's error relative to its own size
+    assert ((scaled.dense_weight() - w) ** 2).mean() <= 1.05 * ((raw.dense_weight() - w) ** 2).mean()
+    torch.testing.assert_close(scaled.scale, w.pow(2).mean(1).sqrt())  # each row's RMS (here stored in fp32)
+    pos = scaled.outlier_index.long()
+    assert torch.equal(scaled.dense_weight().flatten()[pos], w.flatten()[pos])
+
+
 def _outputs(model, x):
     with torch.no_grad():
         return model(input_ids=x).logits
@@ -172,6 +191,7 @@ def _check_file_size(path, model):
     {"bits": 4, "cluster_dim": 2},
     {"bits": 3, "entropy_coding": True, **FAST},
     {"bits": 5, "granularity": "per_channel", "entropy_coding": True, "cluster_dim": 4, "outliers": 0.01},
+    {"bits": 4, "granularity": "grouped", "group_size": 16, "cluster_dim": 2, "row_scale": True, "outliers": 0.01},
 ])
 def test_stage_save_load_identical_outputs_and_honest_size(stage, tokenizer, tmp_path):
     model = tiny_model("llama")
@@ -192,6 +212,7 @@ def test_stage_save_load_identical_outputs_and_honest_size(stage, tokenizer, tmp
         n = layer.in_features * layer.out_features
         assert layer.outliers == round(stage.get("outliers", 0.0025) * n)
         codebook_bits = value_bits * layer.codebook.numel() + (value_bits + 32) * layer.outliers
+        codebook_bits += value_bits * layer.out_features * stage.get("row_scale", False)
         if stage.get("entropy_coding"):
             assert row["entropy_bits"] <= row["huffman_bits"] < row["entropy_bits"] + 1
         else:  # exactly bits per index plus the codebooks and the weights kept aside
@@ -284,17 +305,19 @@ def test_tied_embedding_and_head_are_one_palettized_table(tokenizer, tmp_path, o
     torch.testing.assert_close(_outputs(stock, x), _outputs(model, x), rtol=1e-5, atol=1e-5)
 
 
-def test_finetune_method_mode_trains_the_centroids_and_the_weights_kept_aside(tmp_path, tokenizer):
+@pytest.mark.parametrize("row_scale", [False, True])
+def test_finetune_method_mode_trains_the_centroids_and_the_weights_kept_aside(tmp_path, tokenizer, row_scale):
     model = tiny_model("llama")
-    wscompress.compress(model, [{"method": "kmeans", "bits": 2, **FAST, "outliers": 0.01}])
+    wscompress.compress(model, [{"method": "kmeans", "bits": 2, **FAST, "outliers": 0.01, "row_scale": row_scale}])
     before = {k: v.clone() for k, v in model.state_dict().items()}
     model, _ = finetune(model, tokenizer, recipe(tmp_path, mode="method"))
     layer = model.model.layers[0].mlp.up_proj
-    assert layer.trainable_parameters() == [layer.codebook, layer.outlier_value]
+    assert layer.trainable_parameters() == [layer.codebook, layer.outlier_value] + [layer.scale] * row_scale
     after = model.state_dict()
     moved = {k for k in after if not torch.equal(after[k], before[k])}
-    assert moved and all(k.endswith(("codebook", "outlier_value")) for k in moved)  # indices and positions stay
-    assert any(k.endswith("outlier_value") for k in moved)
+    trained = ("codebook", "outlier_value") + ("scale",) * row_scale
+    assert moved and all(k.endswith(trained) for k in moved)  # indices and positions stay
+    assert all(any(k.endswith(t) for k in moved) for t in trained)
     storage.save(model, tokenizer, tmp_path / "m")  # the trained values are what the file holds
     x = torch.randint(0, 512, (2, 16))
     torch.testing.assert_close(_outputs(storage.load(tmp_path / "m")[0], x), _outputs(model, x), rtol=0, atol=1e-6)

@@ -30,6 +30,8 @@ FORMS = {
     "palettized_vector": ("llama", [{"method": "kmeans", "bits": 4, "cluster_dim": 2, "granularity": "per_tensor"}]),
     "palettized_grouped": ("llama", [{"method": "kmeans", "bits": 3, "granularity": "grouped", "group_size": 16}]),
     "palettized_outliers": ("llama", [{"method": "kmeans", "bits": 2, "outliers": 0.02}]),
+    "palettized_row_scales": ("llama", [{"method": "kmeans", "bits": 4, "cluster_dim": 2, "granularity": "grouped",
+                                         "group_size": 16, "row_scale": True, "outliers": 0.01}]),
     "palettized_huffman": ("llama", [{"method": "kmeans", "bits": 4, "entropy_coding": True}]),
     "palettized_embeddings": ("llama", [{"method": "kmeans", "bits": 4, "targets": ["lm_head"], "outliers": 0.01}]),  # tied: one table
     "soft_share_deltas": ("llama", [{"method": "soft_share", "window": 2, "rank": 4, "starts": [1]}]),

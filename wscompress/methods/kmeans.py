@@ -62,7 +62,10 @@ class KMeansConfig(TargetedStage, LayerRefit):
     damp: float = Field(0.01, gt=0, description="error feedback: Gram dampening, relative to its mean diagonal")
     outliers: float = Field(0.0025, ge=0, lt=0.5, description="fraction of the most sensitive weights kept aside "
                                                               "in a sparse fp16 tensor instead of the codebook")
-    codebook_dtype: CodebookDtype = Field("float16", description="dtype the codebooks (and outliers) are stored in")
+    row_scale: bool = Field(False, description="divide each output channel by its RMS before clustering and keep "
+                            "that scale (in codebook_dtype): one codebook of normalised values serves rows of "
+                            "different magnitudes (GPTVQ); 16 bits per output channel")
+    codebook_dtype: CodebookDtype = Field("float16", description="dtype the codebooks, scales and outliers are stored in")
     seed: int = 0
 
     @property
@@ -155,21 +158,29 @@ def palettize(module: nn.Module, cfg: KMeansConfig, gram: torch.Tensor | None = 
     gs, d = group_size_of(cfg, out), cfg.cluster_dim
     energy = gram.diagonal().float().clamp_min(0).to(w.device) if gram is not None and cfg.sensitivity != "none" else \
         torch.ones(inp, device=w.device)
+    scale = None
+    if cfg.row_scale:  # rounded as stored, so that clustering and feedback see the values the layer computes with
+        rms = w.float().pow(2).mean(1).sqrt().to(getattr(torch, cfg.codebook_dtype)).to(w.dtype)
+        scale = torch.where(rms > 0, rms, torch.ones_like(rms))  # an all-zero row: any codebook value times 0 is exact
     aside = torch.zeros(out, inp, dtype=torch.bool, device=w.device)
     count = round(cfg.outliers * w.numel())
     if count:  # the weights whose error would cost most: large and on energetic inputs
         aside.view(-1)[(w.float().abs() * energy.sqrt()).flatten().topk(count).indices] = True
     weights = (energy * ~aside).view(out, inp // d, d).mean(-1)  # an aside weight pulls no centroid
-    codebook, idx = cluster(w.reshape(out // gs, gs * inp // d, d), cfg.bits, cfg.init, cfg.iterations, cfg.n_init,
+    norm = w
+    if scale is not None:  # a row's error costs its scale squared once multiplied back
+        norm, weights = w / scale[:, None], weights * scale.float().pow(2)[:, None]
+    codebook, idx = cluster(norm.reshape(out // gs, gs * inp // d, d), cfg.bits, cfg.init, cfg.iterations, cfg.n_init,
                             cfg.seed, weights.reshape(out // gs, -1))
     codebook = codebook.to(getattr(torch, cfg.codebook_dtype)).to(w.dtype)  # feedback sees the stored values
-    if cfg.error_feedback and gram is not None:
-        idx, values = assign(w, codebook, gs, gram, aside if count else None, cfg.damp)
+    if cfg.error_feedback and gram is not None:  # rows are independent in GPTQ: scaling one scales its problem
+        idx, values = assign(norm, codebook, gs, gram, aside if count else None, cfg.damp)
+        values = values if scale is None else values * scale[:, None].expand(-1, inp)[aside]
     else:
         idx, values = idx.reshape(out, inp // d), w[aside]
     outliers = (aside.flatten().nonzero()[:, 0], values) if count else None
     return PalettizedLinear.from_clusters(codebook, idx, getattr(module, "bias", None), cfg.entropy_coding,
-                                          isinstance(module, Conv1D), cfg.codebook_dtype, outliers)
+                                          isinstance(module, Conv1D), cfg.codebook_dtype, outliers, scale)
 
 
 def summarize(rows: list[dict], bits: int) -> dict:

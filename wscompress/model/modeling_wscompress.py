@@ -406,7 +406,9 @@ class PalettizedLinear(CompressedLinear):
     (groups, K, cluster_dim): output channels ``g*group_size ... (g+1)*group_size - 1`` use
     codebook g, and index (r, j) picks the centroid for weights W[r, j*d : (j+1)*d]. Weights
     kept aside (``outliers`` of them) replace their codebook value: ``outlier_index`` holds their
-    flat positions, ``outlier_value`` their values. Codebooks and outliers are stored in
+    flat positions, ``outlier_value`` their values. With ``scaled``, row r's codebook values are
+    multiplied by ``scale[r]`` (the kept-aside values are not): rows of different magnitudes
+    share a codebook of normalised values (GPTVQ). Codebooks, scales and outliers are stored in
     ``codebook_dtype`` (computed in the model's dtype). Where a look-up-table kernel is
     registered (``KERNELS``) it computes from the indices directly; elsewhere, and while the
     codebook trains, the dense weight is materialised on each forward. With ``stream_bytes`` set,
@@ -415,14 +417,15 @@ class PalettizedLinear(CompressedLinear):
 
     def __init__(self, in_features: int, out_features: int, bits: int, group_size: int | None = None,
                  cluster_dim: int = 1, bias: bool = False, stream_bytes: int | None = None, conv1d: bool = False,
-                 codebook_dtype: CodebookDtype = "float32", outliers: int = 0):
+                 codebook_dtype: CodebookDtype = "float32", outliers: int = 0, scaled: bool = False):
         super().__init__()
         self.in_features, self.out_features, self.bits, self.conv1d = in_features, out_features, bits, conv1d
         self.group_size = group_size or out_features
         self.cluster_dim, self.stream_bytes = cluster_dim, stream_bytes
-        self.codebook_dtype, self.outliers = codebook_dtype, outliers
+        self.codebook_dtype, self.outliers, self.scaled = codebook_dtype, outliers, scaled
         k, n = 2 ** bits, self.num_indices
         self.codebook = nn.Parameter(torch.empty(out_features // self.group_size, k, cluster_dim))
+        self.scale = nn.Parameter(torch.empty(out_features)) if scaled else None
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         if outliers:
             self.register_buffer("outlier_index", torch.empty(outliers, dtype=torch.int32))
@@ -441,17 +444,21 @@ class PalettizedLinear(CompressedLinear):
     @classmethod
     def from_clusters(cls, codebook: torch.Tensor, indices: torch.Tensor, bias: torch.Tensor | None,
                       entropy_coding: bool = False, conv1d: bool = False, codebook_dtype: CodebookDtype = "float32",
-                      outliers: tuple[torch.Tensor, torch.Tensor] | None = None) -> PalettizedLinear:
+                      outliers: tuple[torch.Tensor, torch.Tensor] | None = None,
+                      scale: torch.Tensor | None = None) -> PalettizedLinear:
         """Build from codebook (groups, K, d), indices (out, in / d) and optionally the
-        weights kept aside as (flat positions, values); values are rounded to ``codebook_dtype``."""
+        weights kept aside as (flat positions, values) and a scale per row (out,); values are
+        rounded to ``codebook_dtype``."""
         groups, k, d = codebook.shape
         out, cols = indices.shape
         stream = huffman_encode(indices.cpu().numpy(), k) if entropy_coding else None
         layer = cls(cols * d, out, int(math.log2(k)), out // groups, d, bias is not None,
                     None if stream is None else len(stream.data), conv1d, codebook_dtype,
-                    0 if outliers is None else outliers[0].numel())
+                    0 if outliers is None else outliers[0].numel(), scale is not None)
         stored = getattr(torch, codebook_dtype)
         layer.codebook = nn.Parameter(codebook.detach().to(stored).to(codebook.dtype).clone())  # its own storage
+        if scale is not None:
+            layer.scale = nn.Parameter(scale.detach().to(stored).to(codebook.dtype).clone())
         layer.indices = pack(indices, layer.bits)
         if outliers is not None:
             layer.outlier_index = outliers[0].to(torch.int32)
@@ -466,12 +473,12 @@ class PalettizedLinear(CompressedLinear):
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        for name in ("codebook", "outlier_value"):  # stored in codebook_dtype, whatever the model computes in
+        for name in ("codebook", "outlier_value", "scale"):  # stored in codebook_dtype, whatever the model computes in
             if prefix + name in destination:
                 destination[prefix + name] = destination[prefix + name].detach().to(getattr(torch, self.codebook_dtype))
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        for name in ("codebook", "outlier_value"):  # back to the dtype the layer computes in
+        for name in ("codebook", "outlier_value", "scale"):  # back to the dtype the layer computes in
             if prefix + name in state_dict:
                 state_dict[prefix + name] = state_dict[prefix + name].to(self.codebook.dtype)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
@@ -515,14 +522,17 @@ class PalettizedLinear(CompressedLinear):
         return w[where].view(*ids.shape, self.in_features)
 
     def _codebook_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows ``ids`` (1-D) as the codebook gives them, outliers not applied."""
+        """Rows ``ids`` (1-D) as the codebook (and scales) give them, outliers not applied."""
         cols = self.in_features // self.cluster_dim
         packed = self.indices.view(self.out_features, -1)[ids]  # a row's indices fill whole bytes (cols % 8 == 0)
         idx = unpack(packed.reshape(-1), self.bits, len(ids) * cols).view(len(ids), cols)
-        return self.codebook[ids // self.group_size].gather(1, idx[..., None].expand(-1, -1, self.cluster_dim)).flatten(1)
+        w = self.codebook[ids // self.group_size].gather(1, idx[..., None].expand(-1, -1, self.cluster_dim)).flatten(1)
+        return w if self.scale is None else w * self.scale[ids, None]
 
     def dense_weight(self) -> torch.Tensor:
         w = dequantize(self.codebook, self.index_matrix(), self.group_size)
+        if self.scale is not None:
+            w = w * self.scale[:, None]
         if not self.outliers:
             return w
         return w.flatten().index_put((self.outlier_index.long(),), self.outlier_value.to(w.dtype)).view_as(w)
@@ -545,8 +555,9 @@ class PalettizedLinear(CompressedLinear):
         if d not in (1, 2, 4) or cols % 2:
             return None
         key = [(t.data_ptr(), t._version) for t in (self.indices, self.codebook)]
-        if self.outliers:  # their corrections depend on the codebook (which fine-tuning trains) too
+        if self.outliers:  # their corrections depend on the codebook and scales (which fine-tuning trains) too
             key += [(t.data_ptr(), t._version) for t in (self.outlier_index, self.outlier_value)]
+            key += [] if self.scale is None else [(self.scale.data_ptr(), self.scale._version)]
         if getattr(self, "_layout_key", None) != key:
             idx = self.index_matrix()
             width = 4 if self.bits <= 4 else 8
@@ -555,7 +566,8 @@ class PalettizedLinear(CompressedLinear):
             if self.outliers:  # the exact weights kept aside: their difference to the codebook value
                 pos = self.outlier_index.long()
                 row, col = pos // self.in_features, pos % self.in_features
-                delta = self.outlier_value - self.codebook[row // self.group_size, idx[row, col // d], col % d]
+                exact = self.outlier_value if self.scale is None else self.outlier_value / self.scale[row]
+                delta = exact - self.codebook[row // self.group_size, idx[row, col // d], col % d]  # before scaling
                 sparse = SparseRows.from_positions(pos, delta.detach(), (self.out_features, self.in_features))
             tables = self.codebook[..., 0] if d == 1 else self.codebook
             if width == 4 and tables.shape[1] < 16:
@@ -573,25 +585,28 @@ class PalettizedLinear(CompressedLinear):
         if layout is None:
             return None
         indices, width, sparse, tables = layout
-        return fast(x, indices, width, tables, self.group_size, self.out_features, sparse)
+        y = fast(x, indices, width, tables, self.group_size, self.out_features, sparse)
+        return y if y is None or self.scale is None else y * self.scale.to(y.dtype)  # None: the kernel declined
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         """Fine-tuning a palettized layer trains its centroids (Deep Compression) and the weights
-        kept aside (as SpQR and PV-tuning do): both are stored as values, so training is free in size."""
-        return [self.codebook] + ([self.outlier_value] if self.outliers else [])
+        kept aside (as SpQR and PV-tuning do), and the row scales: all are stored as values, so
+        training is free in size."""
+        return [self.codebook] + ([self.outlier_value] if self.outliers else []) + ([self.scale] if self.scaled else [])
 
     def storage_bits(self) -> int:
-        """Bits this layer's indices, codebook and outliers take on disk (what is saved)."""
+        """Bits this layer's indices, codebook, scales and outliers take on disk (what is saved)."""
         index_bytes = (self.huffman_stream.numel() + self.huffman_lengths.numel() + 4 * self.huffman_blocks.numel()
                        if self.stream_bytes is not None else self.indices.numel())
         value_bytes = getattr(torch, self.codebook_dtype).itemsize
-        return 8 * (index_bytes + (self.codebook.numel() + self.outliers) * value_bytes + 4 * self.outliers)
+        values = self.codebook.numel() + self.outliers + (self.out_features if self.scaled else 0)
+        return 8 * (index_bytes + values * value_bytes + 4 * self.outliers)
 
     def spec(self) -> dict:
         return {"in_features": self.in_features, "out_features": self.out_features, "bits": self.bits,
                 "group_size": self.group_size, "cluster_dim": self.cluster_dim, "bias": self.bias is not None,
                 "stream_bytes": self.stream_bytes, "conv1d": self.conv1d, "codebook_dtype": self.codebook_dtype,
-                "outliers": self.outliers}
+                "outliers": self.outliers, "scaled": self.scaled}
 
 
 @register_layer
@@ -782,7 +797,7 @@ def tie(model: nn.Module, aliases: dict[str, str]) -> None:
 
 def settle(model: nn.Module, dtype: torch.dtype | None) -> None:
     """After transformers loaded the tensors: decode the Huffman-coded indices the file held, and
-    bring codebooks and outliers (stored in ``codebook_dtype``, which its loader keeps) to the
+    bring codebooks, scales and outliers (stored in ``codebook_dtype``, which its loader keeps) to the
     dtype the model computes in, as ``load_state_dict`` does."""
     for module in model.modules():
         if isinstance(module, PalettizedLinear):
@@ -790,8 +805,8 @@ def settle(model: nn.Module, dtype: torch.dtype | None) -> None:
             if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
                 with torch.no_grad():
                     module.codebook.data = module.codebook.data.to(dtype)
-                    if module.outliers:
-                        module.outlier_value.data = module.outlier_value.data.to(dtype)
+                    for p in ([module.outlier_value] if module.outliers else []) + ([module.scale] if module.scaled else []):
+                        p.data = p.data.to(dtype)
 
 
 def write_code(folder: str | os.PathLike) -> None:
