@@ -46,7 +46,7 @@ def main() -> None:
         for name in MODULES:
             module, gram = model.get_submodule(name), stats.of(name).double()
             layer = palettize(module, cfg, gram.float())
-            w, dw = module.weight.double(), layer.dense_weight().double() - module.weight.double()
+            w, dw = module.weight.double(), layer.dense_weight().detach().double() - module.weight.double()
             errors.append(float(((dw @ gram) * dw).sum() / ((w @ gram) * w).sum()))
             bits += layer_report(name, module.weight, layer)["bits_per_weight"] * module.weight.numel()
             weights += module.weight.numel()

@@ -5,7 +5,8 @@ side by side with what a user would reach for at the same bits.
 
 Rows (each at every --bits where it applies):
 - ours: `kmeans` scalar per channel (the default), vector codebooks (2-d, one codebook per 64
-  output channels, or per 192 at 4 bits; 4-d, one per matrix at 2 bits) with weights kept aside (OUTLIERS, or
+  output channels, or per 192 at 4 bits, or per 64 on rows normalised by a scale each at 4 bits;
+  4-d, one per matrix at 2 bits) with weights kept aside (OUTLIERS, or
   --outliers), and any of them followed by `finetune` (mode: method: the codebooks and the
   kept-aside weights train) for --minutes, on the LM loss or, with --kd, distilling the dense
   model's next-token distributions (--norms: the normalisation gains train too).
@@ -80,6 +81,9 @@ OURS: dict[str, Callable[[int, float], list[dict] | None]] = {
     # 192 divides every SmolLM2 projection (k/v have 192 rows)
     "kmeans 2-d vectors, a codebook per 192 channels": lambda b, o: vectors(2, b, o, granularity="grouped", group_size=192)
     if b == 4 else None,
+    # 4 bits: rows normalised by their RMS share a codebook (16 bits a channel, paid for by fewer outliers: --outliers 0.0007)
+    "kmeans 2-d vectors, a codebook per 64 channels and a scale per channel":
+        lambda b, o: vectors(2, b, o, granularity="grouped", group_size=64, row_scale=True) if b == 4 else None,
 }
 LR = 1e-4  # of the recovery rows; another one is named in the row's label
 # groups per bits (input columns sharing a scale); SmolLM2's 576 columns rule out the common 128
@@ -219,22 +223,26 @@ def main() -> None:
         bpw = quantize(model)
         return model, {"bits_per_weight": round(bpw, 3), "compress_s": round(time.perf_counter() - start, 1)}
 
-    # the codebooks train with the outliers' values (earlier rows in results.json: codebooks alone)
-    trained = (f" + {args.minutes:g} min training (codebooks and outliers{' + norms' if args.norms else ''}"
-               f"{', KD' if args.kd else ''}{'' if args.lr == LR else f', lr {args.lr:g}'})")
-    runs: list[tuple[str, int, Callable[[], tuple[torch.nn.Module, dict]]]] = []  # (label, bits, make)
+    def trained(stages: list[dict]) -> str:
+        """A training row's label suffix: what trains (earlier rows in results.json: codebooks alone)."""
+        what = "codebooks, scales and outliers" if any(s.get("row_scale") for s in stages) else "codebooks and outliers"
+        return (f" + {args.minutes:g} min training ({what}{' + norms' if args.norms else ''}"
+                f"{', KD' if args.kd else ''}{'' if args.lr == LR else f', lr {args.lr:g}'})")
+
+    runs: list[tuple[str, int, Callable[[], tuple[torch.nn.Module, dict]], bool]] = []  # (label, bits, make, train)
     for b in args.bits:
         share = OUTLIERS[b] if args.outliers is None else args.outliers
         for label, stages_of in OURS.items():
             if label != "kmeans per channel (default)" and share != OUTLIERS[b]:  # that row keeps kmeans' default
                 label += f", {100 * share:g} % outliers"
             if (stages := stages_of(b, share)) is not None:
-                runs += [(row, b, lambda label=label, b=b, s=stages: cached(label, b, s)) for row in (label, label + trained)]
-        runs += [(f"RTN g{g}", b, lambda b=b, g=g: peer(lambda m: rtn_(m, b, g))) for g in RTN_GROUPS.get(b, [64])]
+                runs += [(label + trained(stages) * train, b, lambda label=label, b=b, s=stages: cached(label, b, s), train)
+                         for train in (False, True)]
+        runs += [(f"RTN g{g}", b, lambda b=b, g=g: peer(lambda m: rtn_(m, b, g)), False) for g in RTN_GROUPS.get(b, [64])]
         if args.peers:
-            runs += [(f"GPTQ g{g} (llm-compressor)", b, lambda b=b, g=g: peer(lambda m: gptq_(m, args.peers, b, g, batches)))
-                     for g in GPTQ_GROUPS.get(b, [64])]
-        runs.append((f"DKM as it stands ({args.minutes:g} min from dense)", b, lambda: (copy.deepcopy(original), {})))
+            runs += [(f"GPTQ g{g} (llm-compressor)", b, lambda b=b, g=g: peer(lambda m: gptq_(m, args.peers, b, g, batches)),
+                      False) for g in GPTQ_GROUPS.get(b, [64])]
+        runs.append((f"DKM as it stands ({args.minutes:g} min from dense)", b, lambda: (copy.deepcopy(original), {}), False))
 
     done = out / "results.json"
     rows = json.loads(done.read_text())["rows"] if done.is_file() else [{"method": "dense", **scores(original)}]
@@ -242,15 +250,16 @@ def main() -> None:
     def wanted(label: str) -> bool:  # a training row only where asked for ("+" in the given words)
         return args.rows is None or any(label.startswith(r) and ("+" in r or " + " not in label) for r in args.rows)
 
-    for label, b, make in runs:
+    for label, b, make, training in runs:
         if not wanted(label) or any(r["method"] == label and r.get("bits") == b for r in rows):
             continue
         start = time.perf_counter()
         model, row = make()
         if label.startswith("DKM"):
             model, report = train(model, "dkm", b)
-            row = {"bits_per_weight": round(report["dkm"]["bits_per_weight"], 3), "train_s": round(time.perf_counter() - start)}
-        elif label.endswith(trained):
+            row = {"bits_per_weight": round(report["dkm"]["bits_per_weight"], 3), "train_s": round(time.perf_counter() - start),
+                   "steps": report["steps"]}
+        elif training:
             model, report = train(model, "method")
             row = {**row, "train_s": report["history"][-1]["seconds"], "steps": report["steps"]}
         ppl = scores(model)
