@@ -1,5 +1,5 @@
 """Run-time speed of compressed SmolLM2 models: decode and prefill, batch 1 and 8, dense vs
-palettized (kmeans 2/3/4 bits per channel, 4 bits grouped; vector codebooks at 2 and 3 bits
+palettized (kmeans 2/3/4 bits per channel, 4 bits grouped; vector codebooks at 2, 3 and 4 bits
 per weight) vs low-rank (svd 20 / 40 %), with the
 memory-bandwidth bound for decode as a column. On CPU (default) in float32 with one and two
 threads; with ``--device cuda`` in float16 (the dense baseline is then fp16), timed with CUDA
@@ -58,6 +58,9 @@ MODELS = {  # label -> compress stages (empty: the dense model)
     # the shipped recipes' layouts with their weights kept aside (each row corrects its outputs)
     "kmeans 3-bit, 2-d vectors per 64 channels + 0.4 % outliers": [{**VQ3, "outliers": 0.004}],
     "kmeans 2-bit, 4-d vectors per matrix + 0.5 % outliers": [{**VQ2, "outliers": 0.005}],
+    "kmeans 4-bit, 2-d vectors per 64 channels + 0.1 % outliers": [{**VQ3, "bits": 8, "outliers": 0.001}],
+    "kmeans 4-bit, 2-d vectors per 64 channels + row scales + 0.07 % outliers":  # configs/kmeans_4bit.yaml's layout
+        [{**VQ3, "bits": 8, "row_scale": True, "outliers": 0.0007}],
     "svd 20 %": [{"method": "svd", "whitening": False, "ratio": 0.2}],
     "svd 40 %": [{"method": "svd", "whitening": False, "ratio": 0.4}],
 }
