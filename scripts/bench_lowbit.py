@@ -81,9 +81,10 @@ OURS: dict[str, Callable[[int, float], list[dict] | None]] = {
     # 192 divides every SmolLM2 projection (k/v have 192 rows)
     "kmeans 2-d vectors, a codebook per 192 channels": lambda b, o: vectors(2, b, o, granularity="grouped", group_size=192)
     if b == 4 else None,
-    # 4 bits: rows normalised by their RMS share a codebook (16 bits a channel, paid for by fewer outliers: --outliers 0.0007)
+    # 3-4 bits: rows normalised by their RMS share a codebook (16 bits a channel, paid for by fewer outliers:
+    # --outliers 0.0007 at 4 bits, 0.0035 at 3)
     "kmeans 2-d vectors, a codebook per 64 channels and a scale per channel":
-        lambda b, o: vectors(2, b, o, granularity="grouped", group_size=64, row_scale=True) if b == 4 else None,
+        lambda b, o: vectors(2, b, o, granularity="grouped", group_size=64, row_scale=True) if b in (3, 4) else None,
 }
 LR = 1e-4  # of the recovery rows; another one is named in the row's label
 # groups per bits (input columns sharing a scale); SmolLM2's 576 columns rule out the common 128
