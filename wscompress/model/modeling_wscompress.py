@@ -415,6 +415,8 @@ class PalettizedLinear(CompressedLinear):
     the file stores the indices Huffman-coded instead (``huffman_*`` buffers) and loading decodes them.
     """
 
+    VALUES = ("codebook", "outlier_value", "scale")  # the parameters stored in codebook_dtype (those present)
+
     def __init__(self, in_features: int, out_features: int, bits: int, group_size: int | None = None,
                  cluster_dim: int = 1, bias: bool = False, stream_bytes: int | None = None, conv1d: bool = False,
                  codebook_dtype: CodebookDtype = "float32", outliers: int = 0, scaled: bool = False):
@@ -473,12 +475,12 @@ class PalettizedLinear(CompressedLinear):
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        for name in ("codebook", "outlier_value", "scale"):  # stored in codebook_dtype, whatever the model computes in
+        for name in self.VALUES:  # stored in codebook_dtype, whatever the model computes in
             if prefix + name in destination:
                 destination[prefix + name] = destination[prefix + name].detach().to(getattr(torch, self.codebook_dtype))
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        for name in ("codebook", "outlier_value", "scale"):  # back to the dtype the layer computes in
+        for name in self.VALUES:  # back to the dtype the layer computes in
             if prefix + name in state_dict:
                 state_dict[prefix + name] = state_dict[prefix + name].to(self.codebook.dtype)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
@@ -556,8 +558,7 @@ class PalettizedLinear(CompressedLinear):
             return None
         key = [(t.data_ptr(), t._version) for t in (self.indices, self.codebook)]
         if self.outliers:  # their corrections depend on the codebook and scales (which fine-tuning trains) too
-            key += [(t.data_ptr(), t._version) for t in (self.outlier_index, self.outlier_value)]
-            key += [] if self.scale is None else [(self.scale.data_ptr(), self.scale._version)]
+            key += [(t.data_ptr(), t._version) for t in (self.outlier_index, self.outlier_value, self.scale) if t is not None]
         if getattr(self, "_layout_key", None) != key:
             idx = self.index_matrix()
             width = 4 if self.bits <= 4 else 8
@@ -592,7 +593,7 @@ class PalettizedLinear(CompressedLinear):
         """Fine-tuning a palettized layer trains its centroids (Deep Compression) and the weights
         kept aside (as SpQR and PV-tuning do), and the row scales: all are stored as values, so
         training is free in size."""
-        return [self.codebook] + ([self.outlier_value] if self.outliers else []) + ([self.scale] if self.scaled else [])
+        return [p for name in self.VALUES if (p := getattr(self, name, None)) is not None]
 
     def storage_bits(self) -> int:
         """Bits this layer's indices, codebook, scales and outliers take on disk (what is saved)."""
@@ -804,8 +805,7 @@ def settle(model: nn.Module, dtype: torch.dtype | None) -> None:
             module.decode_stream()
             if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
                 with torch.no_grad():
-                    module.codebook.data = module.codebook.data.to(dtype)
-                    for p in ([module.outlier_value] if module.outliers else []) + ([module.scale] if module.scaled else []):
+                    for p in module.trainable_parameters():  # exactly the values stored in codebook_dtype
                         p.data = p.data.to(dtype)
 
 
