@@ -166,6 +166,78 @@ def test_row_scales_let_one_codebook_serve_rows_of_any_magnitude():
     assert torch.equal(scaled.dense_weight().flatten()[pos], w.flatten()[pos])
 
 
+@pytest.mark.parametrize("scaled", [False, True])
+def test_codebook_update_is_the_least_squares_optimum(scaled):
+    """``fit_codebook`` with the indices fixed: its codebooks equal the least-squares solution
+    built explicitly (one column per codebook value, rows weighted through the Cholesky factor of
+    H), weights kept aside stay out of it, more rounds (alternating with the row scales) lower the
+    error further."""
+    gen = torch.Generator().manual_seed(11)
+    out, inp, d, gs = 8, 12, 2, 4
+    w = torch.randn(out, inp, generator=gen) * torch.linspace(0.5, 2, out)[:, None]
+    x = torch.randn(200, inp, generator=gen) @ torch.randn(inp, inp, generator=gen)
+    gram = x.T @ x
+    scale = w.pow(2).mean(1).sqrt() if scaled else torch.ones(out)
+    norm = w / scale[:, None]
+    codebook, _ = cluster(norm.reshape(out // gs, gs * inp // d, d), 2)
+    exact = torch.zeros(out, inp, dtype=torch.bool)
+    exact[1, 3] = exact[5, 7] = True
+    idx, values = clustering.assign(norm, codebook, gs, gram, exact)
+    values = values * scale[:, None].expand(-1, inp)[exact]
+    h = gram.double() + 0.01 * gram.diagonal().double().mean() * torch.eye(inp, dtype=torch.float64)
+    rows = torch.arange(out)[:, None] // gs
+
+    def error(c, s):
+        q = (c[rows, idx].reshape(out, inp).double() * s.double()[:, None]).masked_scatter(exact, values.double())
+        return ((w.double() - q) @ h * (w.double() - q)).sum().item()
+
+    fitted, s1 = clustering.fit_codebook(w, codebook, idx, gs, gram, exact, values, scale if scaled else None, rounds=1)
+    k = codebook.shape[1]
+    basis = torch.zeros(out, inp, codebook.numel(), dtype=torch.float64)  # d(row weights) / d(codebook values)
+    cols = (rows * k + idx).repeat_interleave(d, 1) * d + torch.arange(inp) % d
+    basis.scatter_(2, cols[..., None], scale.double()[:, None, None].expand(-1, inp, 1))
+    basis[exact] = 0
+    target = w.double().masked_scatter(exact, w[exact].double() - values.double())
+    chol = torch.linalg.cholesky(h)
+    a = torch.einsum("rpc,pq->rqc", basis, chol).reshape(-1, codebook.numel())
+    best = torch.linalg.lstsq(a, (target @ chol).reshape(-1, 1)).solution[:, 0].float()
+    used = a.abs().sum(0) > 0
+    torch.testing.assert_close(fitted.reshape(-1)[used], best[used], rtol=1e-4, atol=1e-5)
+    assert torch.equal(fitted.reshape(-1)[~used], codebook.reshape(-1)[~used])  # an unused entry keeps its value
+    assert error(fitted, scale) < 0.95 * error(codebook, scale)
+    more, s3 = clustering.fit_codebook(w, codebook, idx, gs, gram, exact, values, scale if scaled else None, rounds=3)
+    if scaled:
+        assert error(fitted, s1) < error(fitted, scale) and error(more, s3) < error(fitted, s1)
+    else:
+        assert s1 is None and s3 is None
+        torch.testing.assert_close(more, fitted)
+
+
+def test_update_codebook_lowers_a_real_layers_output_error(smollm2):
+    """On a real SmolLM2 projection and the Gram matrix of its inputs on wiki.train,
+    ``update_codebook`` brings the output error below k-means' codebooks with the same indices,
+    at the same size."""
+    from wscompress.methods.kmeans import KMeansConfig, palettize
+
+    model, tok = smollm2
+    short = first_layers(model, 2)
+    module = short.model.layers[1].self_attn.o_proj
+    grams = []
+    hook = module.register_forward_pre_hook(lambda _, args: grams.append(args[0].flatten(0, 1).double()))
+    with torch.no_grad():
+        for batch in real_texts(tok)[0][:2]:
+            short(input_ids=batch)
+    hook.remove()
+    x = torch.cat(grams)
+    gram = x.T @ x
+    common = {"bits": 8, "cluster_dim": 2, "granularity": "grouped", "group_size": 64, "row_scale": True,
+              "outliers": 0.001, "iterations": 30}
+    plain, fitted = (palettize(module, KMeansConfig(**common, update_codebook=u), gram) for u in (False, True))
+    error = lambda layer: ((layer.dense_weight() - module.weight).double() @ x.T).norm().item()  # noqa: E731
+    assert error(fitted) < 0.99 * error(plain)
+    assert torch.equal(plain.indices, fitted.indices) and fitted.storage_bits() == plain.storage_bits()
+
+
 def _outputs(model, x):
     with torch.no_grad():
         return model(input_ids=x).logits
