@@ -88,10 +88,6 @@ OURS: dict[str, Callable[[int, float], list[dict] | None]] = {
     # 2 bits: the 4-d codebook of a whole matrix on rows normalised by their RMS (0.023 bits a weight more)
     "kmeans 4-d vectors, a codebook per matrix and a scale per channel":
         lambda b, o: vectors(4, b, o, granularity="per_tensor", row_scale=True) if b == 2 else None,
-    # the same, then codebooks and scales solved by least squares for each layer's output (GPTVQ's codebook update)
-    "kmeans 2-d vectors, a codebook per 64 channels and a scale per channel, least-squares codebooks":
-        lambda b, o: vectors(2, b, o, granularity="grouped", group_size=64, row_scale=True, update_codebook=True)
-        if b in (3, 4) else None,
 }
 LR = 1e-4  # of the recovery rows; another one is named in the row's label
 # groups per bits (input columns sharing a scale); SmolLM2's 576 columns rule out the common 128

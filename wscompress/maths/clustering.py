@@ -26,8 +26,6 @@ from typing import Literal
 
 import torch
 
-from .linalg import ridged
-
 Init = Literal["kmeans++", "linear", "density"]
 CHUNK_ELEMENTS = 1 << 22  # distance-matrix entries computed at once by vector clustering
 SHIFT = 13  # float32 histogram: drop 13 low mantissa bits -> 2^19 bins as fine as float16's
@@ -284,56 +282,3 @@ def assign(weight: torch.Tensor, codebook: torch.Tensor, group_size: int, gram: 
     inverse = order.argsort()
     values = w[:, perm.argsort()]
     return idx[:, inverse], values if exact is None else values[exact]
-
-
-@torch.no_grad()
-def fit_codebook(weight: torch.Tensor, codebook: torch.Tensor, idx: torch.Tensor, group_size: int,
-                 gram: torch.Tensor, exact: torch.Tensor | None = None, values: torch.Tensor | None = None,
-                 scale: torch.Tensor | None = None, damp: float = 0.01, rounds: int = 2) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Codebooks (groups, K, d) and row scales (out,) refit by least squares against the layer's
-    output error, the assignments ``idx`` (out, in / d) held fixed (GPTVQ's codebook update).
-
-    k-means placed the centroids for a weighted *weight* error (the Gram diagonal only); with the
-    indices chosen, the row r of the layer is s_r·C[idx_r] (or its ``exact`` ``values``, fixed),
-    linear in C, so the C minimising Σ_r (w_r − ŵ_r) H (w_r − ŵ_r)ᵀ (H = ``gram`` damped as in
-    ``assign``) solves one small system per codebook. The scales, given C, have a closed form
-    each; ``rounds`` alternates the two. Sums and solves run in float64; an entry no index
-    uses keeps its value.
-    """
-    out, inp = weight.shape
-    groups, k, d = codebook.shape
-    kd = k * d
-    h, _ = ridged(gram.to(weight.device).double(), damp)
-    target = weight.double().clone()
-    if exact is not None:  # the kept-aside weights' residual is fixed: w − v
-        target[exact] -= values.double()
-    c = codebook.double()
-    s = None if scale is None else scale.double()
-    group = [r // group_size if groups > 1 else 0 for r in range(out)]
-    # where each weight's value sits in its codebook, flattened to K·d; kept-aside weights to a spare slot kd
-    slot = (idx.repeat_interleave(d, 1) * d + torch.arange(inp, device=weight.device) % d)
-    if exact is not None:
-        slot = slot.masked_fill(exact, kd)
-    h32 = h.float()  # the per-row sums of H entries; the sums over rows and the solve stay in float64
-    for _ in range(rounds if s is not None else 1):  # without scales one solve is the optimum
-        rho = [1.0] * out if s is None else s.pow(2).tolist()
-        t = target if s is None else target / s[:, None]  # the row's problem in normalised values
-        m = torch.zeros(groups, kd + 1, kd + 1, dtype=torch.float64, device=weight.device)
-        b = torch.zeros(groups, kd + 1, dtype=torch.float64, device=weight.device)
-        for r in range(out):  # row by row: Pᵀ H P costs one pass over H, P never built
-            a = torch.zeros(kd + 1, inp, device=weight.device).index_add_(0, slot[r], h32).double()  # Pᵀ H
-            b[group[r]] += rho[r] * (a @ t[r])
-            m[group[r]].index_add_(1, slot[r], a, alpha=rho[r])
-        m, b = m[:, :kd, :kd], b[:, :kd]
-        ridge = 1e-9 * m.diagonal(dim1=1, dim2=2).amax(1).clamp_min(1e-30)[:, None]  # unused entries stay put
-        flat = c.reshape(groups, kd)
-        m = m + torch.diag_embed(ridge.expand(-1, kd))
-        c = torch.linalg.solve(m, b + ridge * flat).reshape(groups, k, d)
-        if s is not None:  # each scale given C: s_r = (t_r H q_r) / (q_r H q_r)
-            q = c[torch.tensor(group, device=weight.device)[:, None], idx].reshape(out, inp)
-            if exact is not None:
-                q = q.masked_fill(exact, 0)
-            hq = q @ h
-            den = (q * hq).sum(1)
-            s = torch.where(den > 0, (target * hq).sum(1) / den.clamp_min(1e-300), s)
-    return c.to(codebook.dtype), None if s is None else s.to(scale.dtype)

@@ -32,7 +32,7 @@ from ..errors import UsageError
 from ..io import ui
 from ..io.data import first_samples
 from ..io.offload import offload_of
-from ..maths.clustering import Init, assign, cluster, fit_codebook
+from ..maths.clustering import Init, assign, cluster
 from ..maths.linalg import solve_coefficients
 from ..model.arch import LINEAR_TYPES, Conv1D, dims_of, discover, distinct, match_modules, replace_everywhere, weight_of
 from ..model.modeling_wscompress import CodebookDtype, PalettizedEmbedding, PalettizedLinear, entropy
@@ -65,15 +65,12 @@ class KMeansConfig(TargetedStage, LayerRefit):
     row_scale: bool = Field(False, description="divide each output channel by its RMS before clustering and keep "
                             "that scale (in codebook_dtype): one codebook of normalised values serves rows of "
                             "different magnitudes (GPTVQ); 16 bits per output channel")
-    update_codebook: bool = Field(False, description="once the indices are chosen, solve the codebooks (and row "
-                                  "scales) by least squares for the layer's output error on calibration data, "
-                                  "indices fixed (GPTVQ's codebook update)")
     codebook_dtype: CodebookDtype = Field("float16", description="dtype the codebooks, scales and outliers are stored in")
     seed: int = 0
 
     @property
     def needs_statistics(self) -> bool:
-        return self.sensitivity != "none" or self.error_feedback or self.refit or self.update_codebook
+        return self.sensitivity != "none" or self.error_feedback or self.refit
 
     def check(self, model: nn.Module) -> None:
         """Every target pattern names a linear, and the options tile each one."""
@@ -182,9 +179,6 @@ def palettize(module: nn.Module, cfg: KMeansConfig, gram: torch.Tensor | None = 
         values = values if scale is None else values * scale[:, None].expand(-1, inp)[aside]
     else:
         idx, values = idx.reshape(out, inp // d), w[aside]
-    if cfg.update_codebook and gram is not None:  # k-means saw the Gram diagonal only; this sees all of it
-        codebook, scale = fit_codebook(w, codebook, idx, gs, gram, aside if count else None, values, scale, cfg.damp)
-        codebook, scale = store(codebook), None if scale is None else store(scale)
     outliers = (aside.flatten().nonzero()[:, 0], values) if count else None
     return PalettizedLinear.from_clusters(codebook, idx, getattr(module, "bias", None), cfg.entropy_coding,
                                           isinstance(module, Conv1D), cfg.codebook_dtype, outliers, scale)
