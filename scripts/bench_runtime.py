@@ -43,7 +43,7 @@ PLAIN = {"method": "kmeans", "sensitivity": "none", "error_feedback": False, "re
 # vector codebooks (bits per weight = bits / cluster_dim); few iterations: the speed does not depend on them
 VQ = {**PLAIN, "iterations": 5, "n_init": 1}
 VQ3 = {**VQ, "bits": 6, "cluster_dim": 2, "granularity": "grouped", "group_size": 64}  # kmeans_3bit.yaml, without scales
-VQ2 = {**VQ, "bits": 8, "cluster_dim": 4, "granularity": "per_tensor"}  # configs/kmeans_2bit.yaml's layout
+VQ2 = {**VQ, "bits": 8, "cluster_dim": 4, "granularity": "per_tensor"}  # kmeans_2bit.yaml, without scales
 MODELS = {  # label -> compress stages (empty: the dense model)
     "dense": [],
     "kmeans 4-bit per channel": [{**PLAIN, "bits": 4}],
@@ -60,6 +60,8 @@ MODELS = {  # label -> compress stages (empty: the dense model)
     "kmeans 3-bit, 2-d vectors per 64 channels + row scales + 0.35 % outliers":  # configs/kmeans_3bit.yaml's layout
         [{**VQ3, "row_scale": True, "outliers": 0.0035}],
     "kmeans 2-bit, 4-d vectors per matrix + 0.5 % outliers": [{**VQ2, "outliers": 0.005}],
+    "kmeans 2-bit, 4-d vectors per matrix + row scales + 0.5 % outliers":  # configs/kmeans_2bit.yaml's layout
+        [{**VQ2, "row_scale": True, "outliers": 0.005}],
     "kmeans 4-bit, 2-d vectors per 64 channels + 0.1 % outliers": [{**VQ3, "bits": 8, "outliers": 0.001}],
     "kmeans 4-bit, 2-d vectors per 64 channels + row scales + 0.07 % outliers":  # configs/kmeans_4bit.yaml's layout
         [{**VQ3, "bits": 8, "row_scale": True, "outliers": 0.0007}],
