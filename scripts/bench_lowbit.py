@@ -5,11 +5,12 @@ side by side with what a user would reach for at the same bits.
 
 Rows (each at every --bits where it applies):
 - ours: `kmeans` scalar per channel (the default), vector codebooks (2-d, one codebook per 64
-  output channels, or per 192 at 4 bits, or per 64 on rows normalised by a scale each at 4 bits;
-  4-d, one per matrix at 2 bits) with weights kept aside (OUTLIERS, or
-  --outliers), and any of them followed by `finetune` (mode: method: the codebooks and the
-  kept-aside weights train) for --minutes, on the LM loss or, with --kd, distilling the dense
-  model's next-token distributions (--norms: the normalisation gains train too).
+  output channels, or per 192 at 4 bits; 4-d, one per matrix at 2 bits; the 2-d per-64 rows at
+  3-4 bits and the 4-d rows at 2 bits also on rows normalised by a scale each) with weights kept
+  aside (OUTLIERS, or --outliers), and any of them followed by `finetune` (mode: method: the
+  codebooks, scales and kept-aside weights train) for --minutes, on the LM loss or, with --kd,
+  distilling the dense model's next-token distributions (--norms: the normalisation gains train
+  too).
 - RTN: round to nearest on a uniform grid per group of input columns (min/max, asymmetric), a
   float16 scale and an 8-bit zero point per group (as compressed-tensors stores them).
 - GPTQ with groups as llm-compressor runs it (`oneshot` + `GPTQModifier`, asymmetric, static

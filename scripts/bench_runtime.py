@@ -42,8 +42,8 @@ PLAIN = {"method": "kmeans", "sensitivity": "none", "error_feedback": False, "re
          "codebook_dtype": "float32"}
 # vector codebooks (bits per weight = bits / cluster_dim); few iterations: the speed does not depend on them
 VQ = {**PLAIN, "iterations": 5, "n_init": 1}
-VQ3 = {**VQ, "bits": 6, "cluster_dim": 2, "granularity": "grouped", "group_size": 64}  # kmeans_3bit.yaml, without scales
-VQ2 = {**VQ, "bits": 8, "cluster_dim": 4, "granularity": "per_tensor"}  # kmeans_2bit.yaml, without scales
+VQ3 = {**VQ, "bits": 6, "cluster_dim": 2, "granularity": "grouped", "group_size": 64}  # 3 bits, 2-d per 64 channels
+VQ2 = {**VQ, "bits": 8, "cluster_dim": 4, "granularity": "per_tensor"}  # 2 bits, 4-d per matrix
 MODELS = {  # label -> compress stages (empty: the dense model)
     "dense": [],
     "kmeans 4-bit per channel": [{**PLAIN, "bits": 4}],
@@ -55,7 +55,8 @@ MODELS = {  # label -> compress stages (empty: the dense model)
     "kmeans 2-bit, 2-d vectors per 64 channels": [{**VQ3, "bits": 4}],
     "kmeans 3-bit, 2-d vectors per 64 channels": [VQ3],
     "kmeans 2-bit, 4-d vectors per matrix": [VQ2],
-    # the shipped recipes' layouts with their weights kept aside (each row corrects its outputs)
+    # with weights kept aside (each row corrects its outputs): the shipped recipes' layouts (marked), and
+    # each without its row scales
     "kmeans 3-bit, 2-d vectors per 64 channels + 0.4 % outliers": [{**VQ3, "outliers": 0.004}],
     "kmeans 3-bit, 2-d vectors per 64 channels + row scales + 0.35 % outliers":  # configs/kmeans_3bit.yaml's layout
         [{**VQ3, "row_scale": True, "outliers": 0.0035}],
