@@ -261,6 +261,7 @@ def test_export_hf_rewrites_a_folder_of_format_1(tmp_path, tiny_dir):
     (old / "wscompress.json").write_text(json.dumps({"format": "wscompress", "version": 1, **config["compression"]}))
     (old / "config.json").write_text(json.dumps({**config["base_config"], "torch_dtype": "float32", "dtype": "float32"}))
     (old / "modeling_wscompress.py").unlink()
+    (old / "model.wscompress.safetensors").rename(old / "model.safetensors")  # format 1's name
     ids = torch.randint(0, 512, (1, 12))
     with torch.no_grad():
         want = wscompress.load(old, device="cpu")[0](ids).logits

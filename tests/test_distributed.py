@@ -12,6 +12,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from wscompress.io import storage
 from wscompress.pipeline.stats import Stats
 
 
@@ -59,7 +60,7 @@ def test_ddp_finetune_step_equals_one_process(tmp_path, tiny_dir):
                                                          "lr": 1e-3, "dataset": "pydoc", "eval_windows": 2})
     launch(["finetune", path, "-o", str(tmp_path / "one")], 1, tmp_path)
     launch(["finetune", path, "-o", str(tmp_path / "two")], 2, tmp_path)
-    one, two = (load_file(tmp_path / run / "model" / "model.safetensors") for run in ("one", "two"))
+    one, two = (load_file(tmp_path / run / "model" / storage.WEIGHTS) for run in ("one", "two"))
     assert one.keys() == two.keys()
     moved = load_file(next((tmp_path).glob("tiny-llama/*.safetensors")))
     assert any(not torch.equal(one[k], moved[k]) for k in one if k in moved)  # the step did something

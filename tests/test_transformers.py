@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -241,8 +242,8 @@ def test_stock_loads_never_give_random_weights(folders, tmp_path):
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
     folder, _ = folders["low_rank"]
-    # a stock class named directly: it fails on the config at once, naming the fix
-    with pytest.raises(AttributeError, match="import wscompress"):
+    # a stock class named directly: the weights are a variant only wscompress's classes ask for
+    with pytest.raises(OSError, match="no file named model.safetensors"):
         LlamaForCausalLM.from_pretrained(folder)
     # a Python without wscompress and without trust_remote_code: transformers refuses the unknown type
     script = WITHOUT_WSCOMPRESS.split("import torch")[0] + textwrap.dedent("""
@@ -264,7 +265,7 @@ def test_stock_loads_never_give_random_weights(folders, tmp_path):
     tensors = load_file(broken / storage.WEIGHTS)
     del tensors[next(k for k in tensors if k.endswith("coeff.weight"))]
     save_file(tensors, broken / storage.WEIGHTS, {"format": "pt"})
-    with pytest.raises(ValueError, match="incomplete or corrupt"):
+    with pytest.raises(ValueError, match="damaged"):
         AutoModelForCausalLM.from_pretrained(broken)
     # a layer type this code does not know (a newer wscompress wrote it): an error naming the fix
     config = json.loads((broken / "config.json").read_text())
@@ -272,3 +273,90 @@ def test_stock_loads_never_give_random_weights(folders, tmp_path):
     (broken / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="newer wscompress"):
         AutoModelForCausalLM.from_pretrained(broken)
+
+
+# Tools that read a folder's config.json or card with stock classes, in a Python without wscompress
+# (AutoConfig without trust_remote_code asks on stdin whether to run the folder's code: the test
+# answers with an empty stdin, as a batch job does)
+READERS = WITHOUT_WSCOMPRESS.split("import torch")[0] + textwrap.dedent("""
+    from huggingface_hub import ModelCard
+    from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM, PretrainedConfig
+
+    folder = sys.argv[1]
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    print("@tokenizer:", tokenizer.decode(tokenizer("def f(x):").input_ids))
+    plain = PretrainedConfig.from_pretrained(folder)
+    print("@plain config:", plain.model_type, plain.dtype)
+    try:
+        AutoConfig.from_pretrained(folder)
+    except ValueError as err:
+        print("@AutoConfig refused:", "trust_remote_code=True" in str(err))
+    remote = AutoConfig.from_pretrained(folder, trust_remote_code=True)
+    print("@remote config:", remote.base_model_type, remote.hidden_size, remote.dtype, bool(remote.compression["modules"]))
+    card = ModelCard.load(folder + "/README.md")
+    print("@card:", card.data.library_name, card.data.tags)
+    try:
+        LlamaForCausalLM.from_pretrained(folder)
+    except OSError as err:
+        print("@stock class refused:", "model.safetensors" in str(err))
+    else:
+        raise SystemExit("a stock class loaded the folder")
+""")
+
+
+def test_readers_of_config_json_work_without_wscompress(tmp_path, tiny_dir):
+    """config.json is a valid config for tools that only read it (AutoTokenizer's probe, hub
+    tooling), with wscompress absent, while a stock model class still refuses the folder; the
+    card loads as a hub card. It records which wscompress and transformers wrote it."""
+    import transformers
+    import yaml
+    from typer.testing import CliRunner
+
+    from wscompress.cli import app
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "model": {"path": str(tiny_dir("llama"))}, "output": {"dir": str(tmp_path / "out")},
+        "compress": [{"method": "kmeans", "bits": 4, "outliers": 0.01}],
+        "calibration": {"dataset": "pydoc", "num_samples": 4, "seq_len": 32, "batch_size": 2}}))
+    assert CliRunner().invoke(app, ["compress", str(recipe), "-q"]).exit_code == 0
+    folder = tmp_path / "out" / "model"
+    config = json.loads((folder / "config.json").read_text())
+    assert config["dtype"] == config["base_config"]["dtype"] == "float32"
+    assert config["wscompress_version"] == wscompress.__version__ and config["transformers_version"] == transformers.__version__
+    done = run_without_wscompress(READERS, str(folder), tmp_path=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    lines = dict(re.findall(r"@([^:]+): (.*)", done.stdout))  # transformers' trust_remote_code prompt shares stdout
+    assert lines["tokenizer"] == "def f(x):"
+    assert lines["plain config"] == "wscompress torch.float32"
+    assert lines["AutoConfig refused"] == "True"
+    assert lines["remote config"] == "llama 64 torch.float32 True"
+    assert lines["card"] == "transformers ['wscompress', 'kmeans']"
+    assert lines["stock class refused"] == "True"
+
+
+def test_folders_of_format_2_still_load(folders, tmp_path):
+    """A folder written before the weights became a variant (format 2: model.safetensors, a
+    sentence in config.json's dtype, a GGUF source's quantization_config kept) loads as before,
+    and re-saving it writes the current format."""
+    from transformers import AutoModelForCausalLM
+
+    folder, saved = folders["palettized_huffman"]
+    old = tmp_path / "old"
+    old.mkdir()
+    for f in folder.iterdir():
+        (old / f.name).write_bytes(f.read_bytes())
+    (old / storage.WEIGHTS).rename(old / "model.safetensors")
+    config = json.loads((old / "config.json").read_text())
+    sentence = "a wscompress-compressed model: load it with ..."
+    config.update(dtype=sentence, torch_dtype="float32")
+    config["base_config"].update(dtype=sentence, quantization_config={"quant_method": "gguf"})
+    config["compression"]["version"] = 2
+    (old / "config.json").write_text(json.dumps(config))
+    for model in (AutoModelForCausalLM.from_pretrained(old), wscompress.load(old, device="cpu")[0]):
+        torch.testing.assert_close(logits_of(model), saved, rtol=1e-5, atol=1e-5)
+        assert getattr(model, "hf_quantizer", None) is None and model.config.dtype == torch.float32
+    AutoModelForCausalLM.from_pretrained(old).save_pretrained(tmp_path / "new")
+    assert (tmp_path / "new" / storage.WEIGHTS).is_file()
+    assert "quantization_config" not in json.loads((tmp_path / "new" / "config.json").read_text())["base_config"]
+    torch.testing.assert_close(logits_of(AutoModelForCausalLM.from_pretrained(tmp_path / "new")), saved, rtol=1e-5, atol=1e-5)

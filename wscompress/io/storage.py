@@ -24,11 +24,18 @@ from torch import nn
 
 from ..errors import UsageError
 from ..model.arch import get_module, set_module
+from ..model import modeling_wscompress
 from ..model.modeling_wscompress import (
     LAYERS,
+    SHARD_INDEX,
+    VARIANT,
+    WEIGHTS,
     WSCompressConfig,
+    check_weight_files,
     describe,
+    expected_tensors,
     module_aliases,
+    settle,
     tensor_aliases,
     tie,
     write_code,
@@ -36,18 +43,17 @@ from ..model.modeling_wscompress import (
 from .files import atomic_dir, save_tensors
 from .offload import offload_of
 
-WEIGHTS = "model.safetensors"
-SHARD_INDEX = "model.safetensors.index.json"
 LEGACY_MANIFEST = "wscompress.json"  # folders written before config.json described the compression (format 1)
 
 
 def is_compressed(path: str | Path) -> bool:
     path = Path(path)
     try:
-        return json.loads((path / "config.json").read_text()).get("model_type") == WSCompressConfig.model_type \
-            or (path / LEGACY_MANIFEST).is_file()
-    except (OSError, json.JSONDecodeError):
-        return (path / LEGACY_MANIFEST).is_file()
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        config = None
+    return isinstance(config, dict) and config.get("model_type") == WSCompressConfig.model_type \
+        or (path / LEGACY_MANIFEST).is_file()
 
 
 def entries(model: nn.Module, load: bool = False) -> Iterator[tuple[str, torch.Tensor | str]]:
@@ -129,7 +135,7 @@ def save(model: nn.Module, tokenizer, out_dir: str | Path, max_shard_size: int =
         pending: dict[str, torch.Tensor] = {}
 
         def flush() -> None:
-            shards.append(f"model-{len(shards) + 1:05d}.safetensors")
+            shards.append(f"model.{VARIANT}-{len(shards) + 1:05d}.safetensors")
             save_tensors(pending, tmp / shards[-1], {"format": "pt"})
             index.update((k, shards[-1]) for k in pending)
             pending.clear()
@@ -149,7 +155,7 @@ def save(model: nn.Module, tokenizer, out_dir: str | Path, max_shard_size: int =
         if len(shards) == 1:  # one file: the plain name
             (tmp / shards[0]).rename(tmp / WEIGHTS)
         else:
-            named = {old: f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i, old in enumerate(shards, 1)}
+            named = {old: f"model.{VARIANT}-{i:05d}-of-{len(shards):05d}.safetensors" for i, old in enumerate(shards, 1)}
             for old, new in named.items():
                 (tmp / old).rename(tmp / new)
             (tmp / SHARD_INDEX).write_text(json.dumps({"metadata": {"format": "pt"},
@@ -169,10 +175,7 @@ def save(model: nn.Module, tokenizer, out_dir: str | Path, max_shard_size: int =
 
 def weight_files(path: str | Path) -> list[Path]:
     """The weight files of a compressed checkpoint: one file, or the shards its index names."""
-    path = Path(path)
-    if (path / SHARD_INDEX).is_file():
-        return sorted({path / f for f in json.loads((path / SHARD_INDEX).read_text())["weight_map"].values()})
-    return [path / WEIGHTS]
+    return [Path(f) for f in modeling_wscompress.weight_files(path)]
 
 
 def compressed_config(path: Path) -> WSCompressConfig:
@@ -202,24 +205,32 @@ def load(path: str | Path, dtype: torch.dtype | None = None) -> tuple[nn.Module,
     path = Path(path)
     try:
         config = compressed_config(path)
-        tensors = {k: v for f in weight_files(path) for k, v in load_file(f).items()}
-    except (OSError, json.JSONDecodeError, SafetensorError, ValueError, KeyError) as err:
+        unknown = sorted({str(e.get("type")) for e in config.compression.get("modules", {}).values()
+                          if isinstance(e, dict)} - set(LAYERS))
+        if unknown:
+            raise UsageError(f"{path}: compressed layer type {unknown[0]!r} is unknown: the folder was written by a newer "
+                             "wscompress", "upgrade wscompress (pip install -U wscompress)")
+        # names, shapes and dtypes checked on the files' headers against the structure built on the
+        # meta device, before anything is allocated (a crafted config.json's absurd shapes never are)
+        with torch.device("meta"), no_init_weights():
+            expected = expected_tensors(AutoModelForCausalLM.from_config(config))
+        files = weight_files(path)
+        check_weight_files(files, expected, config.compression.get("tensor_aliases", {}))
+        tensors = {k: v for f in files for k, v in load_file(f).items()}
+        with no_init_weights():  # every weight comes from the file: a random init first is wasted time (minutes at 7B)
+            # the base architecture with the compressed layers in place, made in ``dtype`` as transformers makes
+            # it (buffers it computes itself, RoPE's frequencies, stay in float32)
+            model = AutoModelForCausalLM.from_config(config, **({} if dtype is None else {"dtype": dtype}))
+        aliases = config.compression["tensor_aliases"]
+        # as stored: the file's tensors themselves; in another dtype: copied into the model's (cast on the way)
+        model.load_state_dict(tensors, strict=False, assign=dtype is None)
+        tie(model, aliases)
+        settle(model, None)  # the values checked before any kernel reads them
+    except UsageError:
+        raise
+    except (OSError, json.JSONDecodeError, SafetensorError, ValueError, KeyError, RuntimeError) as err:
         raise UsageError(f"{path}: corrupt or incomplete compressed checkpoint ({type(err).__name__}: {err})",
                          "re-run `wscompress compress` to write it again") from None
-    unknown = sorted({e["type"] for e in config.compression["modules"].values()} - set(LAYERS))
-    if unknown:
-        raise UsageError(f"{path}: unknown compressed layer type {unknown[0]!r}", "upgrade wscompress to the version that wrote it")
-    with no_init_weights():  # every weight comes from the file: a random init first is wasted time (minutes at 7B)
-        # the base architecture with the compressed layers in place, made in ``dtype`` as transformers makes
-        # it (buffers it computes itself, RoPE's frequencies, stay in float32)
-        model = AutoModelForCausalLM.from_config(config, **({} if dtype is None else {"dtype": dtype}))
-    aliases = config.compression["tensor_aliases"]
-    # as stored: the file's tensors themselves; in another dtype: copied into the model's (cast on the way)
-    missing, unexpected = model.load_state_dict(tensors, strict=False, assign=dtype is None)
-    if unexpected or set(missing) - set(aliases):
-        raise UsageError(f"{path}: weights do not match the manifest (missing {sorted(set(missing) - set(aliases))[:3]}, "
-                         f"unexpected {unexpected[:3]})", "re-run `wscompress compress` to write it again")
-    tie(model, aliases)
     tokenizer = AutoTokenizer.from_pretrained(path) if (path / "tokenizer_config.json").is_file() else None
     if tokenizer is not None and tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token

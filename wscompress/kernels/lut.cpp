@@ -297,7 +297,8 @@ Sparse sparse(const torch::Tensor& row_ptr, const torch::Tensor& col, const torc
 }  // namespace
 
 // The vector length D of tables (groups, k) (D 1) or (groups, k, D), checked.
-int64_t vector_length(const torch::Tensor& tables, int64_t width, int64_t out, int64_t in, const torch::Tensor& idx) {
+int64_t vector_length(const torch::Tensor& tables, int64_t width, int64_t group_size, int64_t out, int64_t in,
+                      const torch::Tensor& idx) {
   TORCH_CHECK(tables.scalar_type() == torch::kFloat && tables.is_contiguous(), "tables: contiguous float32");
   TORCH_CHECK(idx.scalar_type() == torch::kUInt8 && idx.is_contiguous(), "idx: contiguous uint8");
   TORCH_CHECK(width == 4 || width == 8, "width must be 4 or 8");
@@ -307,6 +308,8 @@ int64_t vector_length(const torch::Tensor& tables, int64_t width, int64_t out, i
   TORCH_CHECK(width == 8 || tables.size(1) == 16, "width 4 reads tables of 16 entries (pad them)");
   TORCH_CHECK(in % d == 0 && (width == 8 || in / d % 2 == 0), "a row's indices must fill whole bytes");
   TORCH_CHECK(idx.numel() * (width == 4 ? 2 : 1) == out * in / d, "idx size does not match (out, in / D)");
+  TORCH_CHECK(group_size > 0 && out % group_size == 0 && tables.size(0) == out / group_size,
+              "tables: one per group of group_size rows");
   return d;
 }
 
@@ -317,14 +320,14 @@ int64_t vector_length(const torch::Tensor& tables, int64_t width, int64_t out, i
 torch::Tensor lut_linear(torch::Tensor x, torch::Tensor idx, torch::Tensor tables, int64_t width, int64_t group_size,
                          int64_t out, torch::Tensor row_ptr, torch::Tensor col, torch::Tensor delta) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x: contiguous float32 (batch, in)");
-  const int64_t d = vector_length(tables, width, out, x.size(1), idx);
+  const int64_t d = vector_length(tables, width, group_size, out, x.size(1), idx);
   return dispatch<Linear>(width, d, x, idx, tables, group_size, out, sparse(row_ptr, col, delta, out));
 }
 
 // The dense (out, in) weight, outliers included (prefill decodes it and hands it to the BLAS).
 torch::Tensor lut_dense(torch::Tensor idx, torch::Tensor tables, int64_t width, int64_t group_size, int64_t out,
                         int64_t in, torch::Tensor row_ptr, torch::Tensor col, torch::Tensor delta) {
-  const int64_t d = vector_length(tables, width, out, in, idx);
+  const int64_t d = vector_length(tables, width, group_size, out, in, idx);
   return dispatch<Dense>(width, d, idx, tables, group_size, out, in, sparse(row_ptr, col, delta, out));
 }
 

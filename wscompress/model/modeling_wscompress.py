@@ -10,17 +10,25 @@ with its compiled and Triton kernels when it is imported.
 A compressed folder is a HF checkpoint whose ``config.json`` has ``model_type: wscompress``:
 the base model's own config (``base_config``) and how its layers are stored (``compression``:
 the compressed layers by name with their constructor arguments, the modules reached under
-several names and the tensors stored once for several names). Stock transformers without this
-code refuses the folder (an unknown model type), so it never loads random weights in place of
-the compressed ones.
+several names and the tensors stored once for several names). ``config.json`` stays a valid
+config for any reader (AutoTokenizer's probe, hub tooling), while the weights are a transformers
+weight *variant* (``model.wscompress.safetensors``) that only these classes ask for: a stock
+model class finds no weights and refuses the folder instead of filling it with random ones.
+
+Everything read from a folder is checked before any kernel sees it (``check_compression``,
+``check_weight_files``, ``validate``): a crafted or damaged folder is a ValueError naming the
+problem, never an out-of-range read.
 """
 
 from __future__ import annotations
 
 import heapq
+import importlib.metadata
+import inspect
 import json
 import math
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Literal, NamedTuple
@@ -32,14 +40,15 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.pytorch_utils import Conv1D
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # 3: weights as the "wscompress" variant, config.json a plain valid config; 2: "dtype" guard
 CODE_FILE = "modeling_wscompress.py"
-# config.json's "dtype", where a stock config class reads it (top level and base_config): any of
-# them fails at once on it with this text (``getattr(torch, dtype)``), instead of building a
-# model of the base class whose compressed weights it would fill with random ones. The real
-# dtype is "torch_dtype", which a config only reads when "dtype" is absent.
-STOCK_CLASS_GUARD = ("a wscompress-compressed model: load it with transformers.AutoModelForCausalLM after "
-                     "`import wscompress`, or with trust_remote_code=True")
+# The weight files are this transformers variant (model.wscompress.safetensors, and its shards'
+# index model.safetensors.index.wscompress.json): stock classes look for model.safetensors, find
+# none and refuse the folder, while these classes ask for the variant.
+VARIANT = "wscompress"
+WEIGHTS = f"model.{VARIANT}.safetensors"
+SHARD_INDEX = f"model.safetensors.index.{VARIANT}.json"
+LEGACY_WEIGHTS, LEGACY_SHARD_INDEX = "model.safetensors", "model.safetensors.index.json"  # format 2 and before
 AUTO_MAP = {"AutoConfig": "modeling_wscompress.WSCompressConfig",
             "AutoModelForCausalLM": "modeling_wscompress.WSCompressForCausalLM"}
 
@@ -216,6 +225,28 @@ class CompressedLayer:
     structure) and it turns back into a dense module (``to_dense``, for export to stock transformers)."""
 
     _is_hf_initialized = True  # transformers' init skips modules that say so: every value is loaded
+
+    @staticmethod
+    def dense_shape(spec: dict) -> tuple[int, int]:
+        """(out, in) of the linear, or (rows, width) of the table, that a layer of this spec replaces."""
+        if "out_features" in spec:
+            return spec["out_features"], spec["in_features"]
+        return spec["num_embeddings"], spec["embedding_dim"]
+
+    @classmethod
+    def check_spec(cls, **spec) -> str | None:
+        """What is wrong with these constructor arguments (read from a folder, their JSON types
+        already checked), or None: checked before anything is built from them."""
+        shape = cls.dense_shape(spec)
+        if min(shape) < 1:
+            return f"a dimension of {shape} is zero"
+        if not 1 <= spec.get("rank", 1) <= sum(shape):  # a factorisation never needs more
+            return f"rank {spec['rank']} is outside 1..{sum(shape)}"
+        if spec.get("padding_idx") is not None and spec["padding_idx"] >= shape[0]:
+            return f"padding_idx {spec['padding_idx']} is past the table's {shape[0]} rows"
+        if not math.isfinite(spec.get("scale", 1.0)):
+            return "its scale is not finite"
+        return None
 
     def spec(self) -> dict:
         """Constructor keyword arguments that rebuild this module's structure (not its values)."""
@@ -444,6 +475,69 @@ class PalettizedLinear(CompressedLinear):
         return self.out_features * self.in_features // self.cluster_dim
 
     @classmethod
+    def check_spec(cls, **spec) -> str | None:
+        out, cols, bits, d = spec["out_features"], spec["in_features"], spec["bits"], spec.get("cluster_dim", 1)
+        group, stream, outliers = spec.get("group_size") or out, spec.get("stream_bytes"), spec.get("outliers", 0)
+        problem = super().check_spec(**spec)
+        if problem is None and not 1 <= bits <= 8:
+            problem = f"bits={bits} is outside 1..8"
+        elif problem is None and (d < 1 or cols % d):
+            problem = f"cluster_dim={d} does not divide in_features={cols}"
+        elif problem is None and (group < 1 or out % group):
+            problem = f"group_size={group} does not divide out_features={out}"
+        elif problem is None and outliers > out * cols:
+            problem = f"{outliers} outliers in a {out}x{cols} weight"
+        elif problem is None and stream is not None and stream > out * cols // d * MAX_CODE_LENGTH // 8 + 8:
+            problem = f"a Huffman stream of {stream} bytes is longer than its indices can need"
+        elif problem is None and spec.get("codebook_dtype", "float32") not in ("float16", "bfloat16", "float32"):
+            problem = f"codebook_dtype={spec['codebook_dtype']!r} is not float16, bfloat16 or float32"
+        return problem
+
+    def check_values(self, where: str) -> None:
+        """Refuse loaded tensors a kernel would read out of range: every tensor's dtype and shape
+        as the spec implies (the codebooks hold 2^bits entries, so any packed index is in range),
+        positions of the weights kept aside inside the weight, and a decodable Huffman stream."""
+        k, n = 2 ** self.bits, self.num_indices
+        want = {"codebook": ((self.out_features // self.group_size, k, self.cluster_dim), None),
+                "scale": ((self.out_features,), None), "bias": ((self.out_features,), None),
+                "outlier_value": ((self.outliers,), None), "outlier_index": ((self.outliers,), torch.int32)}
+        if self.stream_bytes is None:
+            want["indices"] = ((packed_nbytes(n, self.bits),), torch.uint8)
+        for name, (shape, dtype) in want.items():
+            t = getattr(self, name, None)
+            if t is None:
+                continue
+            if tuple(t.shape) != shape or (t.dtype != dtype if dtype is not None else not t.is_floating_point()):
+                raise corrupt(f"{where}.{name} is {list(t.shape)} {t.dtype}, where its layer needs {list(shape)} "
+                              f"{dtype or 'floating point'}")
+        if self.outliers and not self.outlier_index.is_meta:
+            pos = self.outlier_index
+            if int(pos.min()) < 0 or int(pos.max()) >= self.out_features * self.in_features:
+                raise corrupt(f"{where}.outlier_index has positions outside the {self.out_features}x{self.in_features} weight")
+        if self.stream_bytes is not None:
+            self.check_stream(where)
+
+    def check_stream(self, where: str) -> None:
+        """A Huffman stream the decoder can walk: lengths of a prefix code (Kraft's inequality),
+        one block length per BLOCK symbols, the blocks inside the stream."""
+        k, n = 2 ** self.bits, self.num_indices
+        tensors = {"huffman_stream": ((self.stream_bytes,), torch.uint8), "huffman_lengths": ((k,), torch.uint8),
+                   "huffman_blocks": ((math.ceil(n / BLOCK),), torch.int32)}
+        for name, (shape, dtype) in tensors.items():
+            t = getattr(self, name)
+            if tuple(t.shape) != shape or t.dtype != dtype:
+                raise corrupt(f"{where}.{name} is {list(t.shape)} {t.dtype}, where its layer needs {list(shape)} {dtype}")
+        if self.huffman_stream.is_meta:
+            return
+        lengths = [int(v) for v in self.huffman_lengths.tolist() if v != ABSENT]
+        blocks = self.huffman_blocks.long()
+        if (not lengths and n or any(v > MAX_CODE_LENGTH for v in lengths)
+                or sum(1 << (MAX_CODE_LENGTH - v) for v in lengths) > 1 << MAX_CODE_LENGTH):
+            raise corrupt(f"{where}.huffman_lengths are not the lengths of a prefix code")
+        if n and (int(blocks.min()) < 0 or int(blocks.sum()) > 8 * self.stream_bytes):
+            raise corrupt(f"{where}.huffman_blocks point past the end of its stream")
+
+    @classmethod
     def from_clusters(cls, codebook: torch.Tensor, indices: torch.Tensor, bias: torch.Tensor | None,
                       entropy_coding: bool = False, conv1d: bool = False, codebook_dtype: CodebookDtype = "float32",
                       outliers: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -483,13 +577,13 @@ class PalettizedLinear(CompressedLinear):
         for name in self.VALUES:  # back to the dtype the layer computes in
             if prefix + name in state_dict:
                 state_dict[prefix + name] = state_dict[prefix + name].to(self.codebook.dtype)
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-        if prefix + "huffman_stream" in state_dict:
-            self.decode_stream()
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)  # then ``settle`` checks and decodes
 
-    def decode_stream(self) -> None:
-        """Fill ``indices`` from the Huffman-coded stream the file holds (a no-op without one)."""
+    def decode_stream(self, where: str = "a palettized layer") -> None:
+        """Fill ``indices`` from the Huffman-coded stream the file holds (a no-op without one),
+        after checking that the stream can be decoded."""
         if self.stream_bytes is not None and not self.huffman_stream.is_meta:
+            self.check_stream(where)
             self.indices = pack(torch.from_numpy(huffman_decode(self.huffman())), self.bits).to(self.codebook.device)
 
     def huffman(self) -> HuffmanStream:
@@ -774,17 +868,203 @@ def describe(model: nn.Module) -> dict:
 
 def build(model: nn.Module, compression: dict) -> None:
     """Swap the base model's modules for the compressed layers ``compression`` names (empty
-    tensors, to be loaded) and make shared modules shared again."""
+    tensors, to be loaded) and make shared modules shared again. Every name, type, constructor
+    argument and alias is checked against the base structure first (``check_entry``,
+    ``check_aliases``): a crafted section never reaches a constructor or ``setattr`` unchecked."""
+    sections = {"modules": dict, "module_aliases": dict, "tensor_aliases": dict, "trains": list}
+    for key, kind in sections.items():
+        if not isinstance(compression.get(key, kind()), kind):
+            raise corrupt(f"config.json: compression.{key} is not a JSON {'object' if kind is dict else 'array'}")
     for name, entry in compression.get("modules", {}).items():
-        cls = LAYERS.get(entry["type"])
-        if cls is None:
-            raise ValueError(f"compressed layer type {entry['type']!r} is unknown to this modeling_wscompress.py: "
-                             "the folder was written by a newer wscompress; upgrade wscompress (pip install -U "
-                             "wscompress), or load the folder with trust_remote_code=True to use the code it carries")
-        _set(model, name, cls(**entry["spec"]))
-    for alias, canonical in compression.get("module_aliases", {}).items():
-        _set(model, alias, _get(model, canonical))
-    model.__dict__["wscompress_trains"] = list(compression.get("trains", []))
+        parent, leaf, cls = check_entry(model, name, entry)
+        setattr(parent, leaf, cls(**entry["spec"]))
+    module_aliases = compression.get("module_aliases", {})
+    check_aliases(module_aliases, "module_aliases")
+    for alias, canonical in module_aliases.items():
+        parent, leaf = _slot(model, alias, "module_aliases")
+        try:
+            target = model.get_submodule(canonical)
+        except AttributeError:
+            raise corrupt(f"config.json: module_aliases names {canonical!r}, which the model does not have") from None
+        setattr(parent, leaf, target)
+    tensor_aliases = compression.get("tensor_aliases", {})
+    check_aliases(tensor_aliases, "tensor_aliases")
+    names = {n for n, _ in model.named_parameters(remove_duplicate=False)} | {n for n, _ in model.named_buffers(remove_duplicate=False)}
+    unknown = sorted(n for pair in tensor_aliases.items() for n in pair if n not in names)
+    if unknown:
+        raise corrupt(f"config.json: tensor_aliases names {unknown[0]!r}, which the model does not have")
+    trains = compression.get("trains", [])
+    if not all(isinstance(n, str) for n in trains):
+        raise corrupt("config.json: compression.trains holds something other than module names")
+    model.__dict__["wscompress_trains"] = list(trains)
+
+
+# ----------------------------------------------------------------------------- checks on what a folder holds
+
+def corrupt(problem: str) -> ValueError:
+    """The error for a folder whose contents do not hold together (damaged, or crafted)."""
+    return ValueError(f"{problem}; the folder is damaged, or was not written by wscompress: write it again "
+                      "(wscompress compress, or wscompress export --format hf)")
+
+
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_]*(\.[A-Za-z0-9][A-Za-z0-9_]*)*")  # module paths; no dunders, no leading _
+
+
+def _slot(model: nn.Module, name: Any, section: str) -> tuple[nn.Module, str]:
+    """(parent, leaf) of an existing module slot ``name`` of ``model``: compression only ever
+    replaces modules the base structure has (a slot may hold None: a compressed layer's own
+    child, filled next)."""
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise corrupt(f"config.json: {section} names {name!r}, which is not a module path")
+    parent_name, _, leaf = name.rpartition(".")
+    try:
+        parent = model.get_submodule(parent_name)
+    except AttributeError:
+        parent = None
+    if parent is None or leaf not in parent._modules:
+        raise corrupt(f"config.json: {section} names {name!r}, which the base model ({type(model).__name__}) does not have")
+    return parent, leaf
+
+
+def _dense_shape(module: nn.Module | None) -> tuple[int, int] | None:
+    """(out, in) of a linear, (rows, width) of an embedding table; None for other modules."""
+    if isinstance(module, Conv1D):
+        return module.weight.shape[1], module.weight.shape[0]
+    if isinstance(module, nn.Linear):
+        return module.out_features, module.in_features
+    if isinstance(module, nn.Embedding) or type(module) in (PalettizedEmbedding, FactorizedEmbedding):
+        return module.num_embeddings, module.embedding_dim
+    return None
+
+
+_ARGUMENTS: dict[str, tuple[type, ...]] = {  # every constructor argument a layer spec may hold, and its JSON types
+    "in_features": (int,), "out_features": (int,), "rank": (int,), "bits": (int,), "group_size": (int,),
+    "cluster_dim": (int,), "stream_bytes": (int, type(None)), "outliers": (int,), "num_embeddings": (int,),
+    "embedding_dim": (int,), "padding_idx": (int, type(None)), "bias": (bool,), "conv1d": (bool,),
+    "scaled": (bool,), "codebook_dtype": (str,), "scale": (float, int)}
+
+
+def check_entry(model: nn.Module, name: str, entry: Any) -> tuple[nn.Module, str, type]:
+    """(parent, leaf, class) of one ``compression.modules`` entry, after checking that its type
+    is known, its arguments are those of the class with sane values (``check_spec``) and its
+    shape is that of the module it replaces."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("spec"), dict):
+        raise corrupt(f"config.json: compression.modules[{name!r}] is not {{type, spec}}")
+    cls = LAYERS.get(entry.get("type"))  # type: ignore[arg-type]
+    if cls is None:
+        raise ValueError(f"compressed layer type {entry.get('type')!r} is unknown to this modeling_wscompress.py: "
+                         "the folder was written by a newer wscompress; upgrade wscompress (pip install -U "
+                         "wscompress), or load the folder with trust_remote_code=True to use the code it carries")
+    parent, leaf = _slot(model, name, "compression.modules")
+    spec = entry["spec"]
+    wanted = set(inspect.signature(cls.__init__).parameters) - {"self"}
+    for key, value in spec.items():
+        if key not in wanted or not isinstance(value, _ARGUMENTS.get(key, ())) or isinstance(value, bool) and bool not in _ARGUMENTS[key]:
+            raise corrupt(f"config.json: {name} ({cls.__name__}) has argument {key}={value!r}, which it does not take")
+        if isinstance(value, int) and not isinstance(value, bool) and not 0 <= value < 2**40:
+            raise corrupt(f"config.json: {name} ({cls.__name__}) has {key}={value}, out of range")
+    missing = _missing(cls, spec)
+    problem = f"arguments {sorted(missing)} are missing" if missing else cls.check_spec(**spec)
+    shape, slot = cls.dense_shape(spec), parent._modules[leaf]
+    expected = _dense_shape(slot if slot is not None else parent)
+    if problem is None and expected is not None and shape != expected:
+        problem = f"its shape {shape} is not that of the module it replaces {expected}"
+    if problem:
+        raise corrupt(f"config.json: {name} ({cls.__name__}): {problem}")
+    return parent, leaf, cls
+
+
+def _missing(cls: type, spec: dict) -> set[str]:
+    """Required constructor arguments of ``cls`` that ``spec`` does not give."""
+    params = inspect.signature(cls.__init__).parameters.values()
+    return {p.name for p in params if p.name != "self" and p.default is inspect.Parameter.empty} - set(spec)
+
+
+def check_aliases(aliases: dict, section: str) -> None:
+    """Alias maps are acyclic and name paths: no alias is a canonical name, and no name lies
+    inside another (a module aliased to its own child or parent would contain itself)."""
+    for alias, canonical in aliases.items():
+        for n in (alias, canonical):
+            if not isinstance(n, str) or not _NAME.fullmatch(n):
+                raise corrupt(f"config.json: {section} names {n!r}, which is not a module or tensor path")
+        inside = [a for a in aliases if canonical == a or canonical.startswith(a + ".") or a.startswith(canonical + ".")]
+        if inside or alias.startswith(canonical + "."):
+            raise corrupt(f"config.json: {section} maps {alias!r} to {canonical!r}, which is itself aliased or contains it "
+                          "(a cycle)")
+
+
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                       "BOOL": torch.bool}
+
+
+def read_header(path: str | os.PathLike) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """name -> (shape, dtype) of a safetensors file, reading only its header, after checking
+    that every tensor's bytes lie inside the file (a truncated file is refused here)."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if n < 2 or 8 + n > size:
+            raise corrupt(f"{os.fspath(path)}: truncated, or not a safetensors file")
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            header = None
+    if not isinstance(header, dict):
+        raise corrupt(f"{os.fspath(path)}: its safetensors header is not a JSON object")
+    body, out = size - 8 - n, {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = _SAFETENSORS_DTYPES.get(entry.get("dtype")) if isinstance(entry, dict) else None
+        shape, offsets = (entry.get("shape"), entry.get("data_offsets")) if isinstance(entry, dict) else (None, None)
+        if (dtype is None or not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape)
+                or not isinstance(offsets, list) or len(offsets) != 2 or not all(isinstance(o, int) for o in offsets)):
+            raise corrupt(f"{os.fspath(path)}: tensor {name!r} has an unreadable header entry")
+        if not 0 <= offsets[0] <= offsets[1] <= body or offsets[1] - offsets[0] != math.prod(shape) * dtype.itemsize:
+            raise corrupt(f"{os.fspath(path)}: tensor {name!r} lies outside the file (truncated?)")
+        out[name] = tuple(shape), dtype
+    return out
+
+
+def expected_tensors(model: nn.Module) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """name -> (shape, dtype) of every state-dict entry of ``model`` (built on the meta device:
+    nothing is allocated), aliases included."""
+    return {k: (tuple(t.shape), t.dtype) for k, t in model.state_dict().items()}
+
+
+def check_weight_files(files: list, expected: dict[str, tuple[tuple[int, ...], torch.dtype]],
+                       aliases: dict[str, str]) -> None:
+    """The weight files hold every expected tensor once (under any name of its alias group:
+    transformers' own save may keep another name than the first) and nothing else, with its
+    shape, integer tensors in their own dtype and values in a floating one: checked on the
+    headers, before anything is allocated for them (absurd shapes never reach an allocation)."""
+    found: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    for f in files:
+        if not os.path.isfile(f):
+            raise corrupt(f"weight file {os.fspath(f)} is missing")
+        found.update(read_header(f))
+    groups: dict[str, list[str]] = {}
+    for name in expected:
+        groups.setdefault(aliases.get(name, name), []).append(name)
+    missing = sorted(c for c, names in groups.items() if not any(n in found for n in names))
+    unexpected = sorted(found.keys() - expected.keys())
+    if missing or unexpected:
+        raise corrupt(f"the weight files do not match config.json's compression section (missing {missing[:3]}, "
+                      f"unexpected {unexpected[:3]})")
+    for name, (got_shape, got_dtype) in found.items():
+        shape, dtype = expected[name]
+        if got_shape != shape or (got_dtype != dtype if not dtype.is_floating_point else not got_dtype.is_floating_point):
+            raise corrupt(f"tensor {name!r} is {list(got_shape)} {got_dtype} in the weight files, "
+                          f"where config.json implies {list(shape)} {dtype}")
+
+
+def validate(model: nn.Module) -> None:
+    """Check the loaded values every kernel will index with (see ``PalettizedLinear.check_values``)."""
+    for name, module in model.named_modules():
+        if isinstance(module, PalettizedLinear):
+            module.check_values(name)
 
 
 def tie(model: nn.Module, aliases: dict[str, str]) -> None:
@@ -797,9 +1077,10 @@ def tie(model: nn.Module, aliases: dict[str, str]) -> None:
 
 
 def settle(model: nn.Module, dtype: torch.dtype | None) -> None:
-    """After transformers loaded the tensors: decode the Huffman-coded indices the file held, and
-    bring codebooks, scales and outliers (stored in ``codebook_dtype``, which its loader keeps) to the
-    dtype the model computes in, as ``load_state_dict`` does."""
+    """After transformers loaded the tensors: check them (``validate``), decode the Huffman-coded
+    indices the file held, and bring codebooks, scales and outliers (stored in ``codebook_dtype``,
+    which its loader keeps) to the dtype the model computes in, as ``load_state_dict`` does."""
+    validate(model)
     for module in model.modules():
         if isinstance(module, PalettizedLinear):
             module.decode_stream()
@@ -807,6 +1088,30 @@ def settle(model: nn.Module, dtype: torch.dtype | None) -> None:
                 with torch.no_grad():
                     for p in module.trainable_parameters():  # exactly the values stored in codebook_dtype
                         p.data = p.data.to(dtype)
+
+
+def weight_files(folder: str | os.PathLike) -> list[str]:
+    """The weight files of a compressed folder: one file, or the shards its index names (this
+    format's names, else those of format 2 and before)."""
+    for index in (SHARD_INDEX, LEGACY_SHARD_INDEX):
+        path = os.path.join(folder, index)
+        if os.path.isfile(path):
+            try:
+                with open(path) as f:
+                    names = sorted(set(json.load(f)["weight_map"].values()))
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):
+                raise corrupt(f"{path} is not a shard index") from None
+            if not all(isinstance(n, str) and n and os.path.basename(n) == n for n in names):
+                raise corrupt(f"{path} names a weight file outside the folder")
+            return [os.path.join(folder, n) for n in names]
+    present = [n for n in (WEIGHTS, LEGACY_WEIGHTS) if os.path.isfile(os.path.join(folder, n))]
+    return [os.path.join(folder, (present or [WEIGHTS])[0])]
+
+
+def legacy_layout(folder: str | os.PathLike) -> bool:
+    """Whether a local folder holds its weights under the plain names (format 2 and before)."""
+    has = lambda name: os.path.isfile(os.path.join(folder, name))  # noqa: E731
+    return not (has(WEIGHTS) or has(SHARD_INDEX)) and (has(LEGACY_WEIGHTS) or has(LEGACY_SHARD_INDEX))
 
 
 def write_code(folder: str | os.PathLike) -> None:
@@ -817,6 +1122,32 @@ def write_code(folder: str | os.PathLike) -> None:
 # ----------------------------------------------------------------------------- transformers classes
 
 _FAMILY: dict[str, tuple[type, type]] = {}  # base model type -> (config class, model class) made for it
+
+
+def _stored_dtype(data: dict) -> str | None:
+    """The dtype config.json records: ``dtype``, or in format 2 (whose ``dtype`` was a sentence
+    that stopped stock classes) ``torch_dtype``."""
+    dtype = data.get("dtype")
+    if isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype):
+        return dtype
+    legacy = data.get("torch_dtype")
+    return legacy if isinstance(legacy, str) and isinstance(getattr(torch, legacy, None), torch.dtype) else None
+
+
+def _stale_quantization(quantization: Any) -> bool:
+    """Whether a base config's ``quantization_config`` no longer describes the weights: a GGUF
+    source's (transformers de-quantizes GGUF weights as it loads them), which would make
+    transformers treat the folder as GGUF again (a warning on load, ``save_pretrained`` refused)."""
+    return isinstance(quantization, dict) and quantization.get("quant_method") == "gguf"
+
+
+def writer_version() -> str | None:
+    """The installed wscompress's version (None where only this file is: a folder re-saved
+    through trust_remote_code), recorded in config.json beside transformers' own."""
+    try:
+        return importlib.metadata.version("wscompress")
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 class WSCompressConfig(PretrainedConfig):
@@ -834,7 +1165,13 @@ class WSCompressConfig(PretrainedConfig):
     def from_dict(cls, config_dict: dict[str, Any], **kwargs):
         data = dict(config_dict)
         if "base_config" in data:  # config.json's layout
-            data = {**data["base_config"], "dtype": data.get("torch_dtype"), "compression": data.get("compression")}
+            if not isinstance(data["base_config"], dict) or not isinstance(data.get("compression"), dict):
+                raise ValueError("config.json: base_config and compression must be JSON objects; the folder is damaged: "
+                                 "write it again with wscompress")
+            data = {**data["base_config"], "dtype": _stored_dtype(data), "compression": data["compression"]}
+        data.pop("wscompress_version", None)  # the writer's, not this config's: saving records its own
+        if _stale_quantization(data.get("quantization_config")):
+            del data["quantization_config"]
         base_type = data.pop("model_type", None)
         if base_type in (None, cls.model_type):  # flat, from another config of this family
             base_type = cls.base_model_type
@@ -863,13 +1200,16 @@ class WSCompressConfig(PretrainedConfig):
         compression = flat.pop("compression", None)
         version = flat.pop("transformers_version", None)
         dtype = flat.pop("dtype", None)
-        for key in ("model_type", "architectures", "auto_map", "torch_dtype"):
+        for key in ("model_type", "architectures", "auto_map", "torch_dtype", "wscompress_version"):
             flat.pop(key, None)
-        nested = {"model_type": self.model_type, "architectures": ["WSCompressForCausalLM"], "auto_map": AUTO_MAP,
-                  "dtype": STOCK_CLASS_GUARD, "torch_dtype": dtype,
+        if _stale_quantization(flat.get("quantization_config")):
+            del flat["quantization_config"]
+        # a plain valid config at both levels (real dtype): readers that only read config.json work
+        nested = {"model_type": WSCompressConfig.model_type, "architectures": ["WSCompressForCausalLM"], "auto_map": AUTO_MAP,
+                  "dtype": dtype,
                   "base_config": {"model_type": self.base_model_type, "architectures": [self.base_architecture], **flat,
-                                  "dtype": STOCK_CLASS_GUARD},
-                  "compression": compression, "transformers_version": version}
+                                  "dtype": dtype},
+                  "compression": compression, "transformers_version": version, "wscompress_version": writer_version()}
         return json.dumps(nested, indent=2, sort_keys=False) + "\n"
 
 
@@ -916,18 +1256,29 @@ class WSCompressForCausalLM(PreTrainedModel, GenerationMixin):
                 config = WSCompressConfig.from_pretrained(config or pretrained_model_name_or_path, **hub)
             return family(config.base_model_type)[1].from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
         with_info = kwargs.pop("output_loading_info", False)
+        folder = os.path.join(os.fspath(pretrained_model_name_or_path), kwargs.get("subfolder") or "")
+        if kwargs.get("variant") is None:  # the weights are this format's variant (format 2 and before: plain names)
+            kwargs["variant"] = None if legacy_layout(folder) else VARIANT
+        if os.path.isdir(folder):  # checked on the headers before transformers allocates anything for them
+            config = kwargs.get("config")
+            config = config if isinstance(config, WSCompressConfig) else cls.config_class.from_pretrained(folder)
+            with torch.device("meta"):
+                expected = expected_tensors(cls(config))
+            check_weight_files(weight_files(folder), expected, config.compression.get("tensor_aliases", {}))
         model, info = super().from_pretrained(pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs)
         wrong = {k: sorted(info[k])[:3] for k in ("missing_keys", "unexpected_keys", "mismatched_keys") if info.get(k)}
         if wrong:  # transformers would fill the gaps with random weights: refuse instead
-            raise ValueError(f"{pretrained_model_name_or_path}: the weight files do not match config.json's compression "
-                             f"section ({wrong}); the folder is incomplete or corrupt: write it again (wscompress "
-                             "compress, or wscompress export --format hf)")
+            raise corrupt(f"{pretrained_model_name_or_path}: the weight files do not match config.json's compression "
+                          f"section ({wrong})")
         settle(model, model.config.dtype)
         return (model, info) if with_info else model
 
     def save_pretrained(self, save_directory, *args, **kwargs) -> None:
-        """transformers' save, with the structure described as it is now and this code beside it."""
+        """transformers' save, with the structure described as it is now, the weights as this
+        format's variant and this code beside them."""
         adopt(self)  # the structure as it is now
+        if kwargs.get("variant") is None:
+            kwargs["variant"] = VARIANT
         os.makedirs(save_directory, exist_ok=True)
         if kwargs.get("is_main_process", True):
             write_code(save_directory)  # first: a push_to_hub inside the save uploads it too
@@ -968,6 +1319,7 @@ def adopt(model: nn.Module) -> None:
             raise ValueError(f"{type(model).__name__} is not the causal LM class transformers has for "
                              f"{model.config.model_type!r} ({model_class.__mro__[2].__name__})")
         model.config.__class__ = config_class  # the same object: every submodule holding it sees the change
+        model.config.__dict__.pop("model_type", None)  # a GGUF source's config sets its own: the class says it now
         model.__class__ = model_class
     model.config.compression = describe(model)
     if model.config.dtype is None:  # say it: "auto" would otherwise take the first tensor's, maybe a codebook's float16
