@@ -12,7 +12,7 @@ export TOKENIZERS_PARALLELISM ?= false
 TEST_WORKERS ?= 2
 PYTEST      := $(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
-.PHONY: install demo test test-fast test-bf16 bench small-tables paper-tables clean
+.PHONY: install demo test test-fast test-bf16 test-compat bench small-tables paper-tables clean
 
 install: $(STAMP)
 
@@ -34,6 +34,27 @@ test: install
 
 test-fast: install
 	$(PYTEST) -m "not slow"
+
+# Folders written today load with the oldest transformers pyproject.toml claims and the newest in
+# the registry: one small virtual environment per bound holding transformers (and what it pins)
+# only, the rest (torch, wscompress) read from .venv through a .pth line; tests/test_compat.py
+# writes folders here and loads them there, both ways. .ci/run calls it after `make test`.
+COMPAT              ?= .venv-compat
+TRANSFORMERS_OLDEST := $(shell sed -n 's/.*"transformers>=\([0-9.]*\).*/\1/p' pyproject.toml)
+
+$(COMPAT)/oldest/.installed: SPEC = transformers==$(TRANSFORMERS_OLDEST)
+$(COMPAT)/newest/.installed: SPEC = --upgrade transformers
+$(COMPAT)/%/.installed: $(STAMP)
+	rm -rf $(COMPAT)/$*
+	$(PYTHON) -m venv $(COMPAT)/$*
+	echo "import site; site.addsitedir('$$($(PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")')" \
+	  > "$$($(COMPAT)/$*/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/zz_wscompress_venv.pth"
+	$(COMPAT)/$*/bin/python -m pip install -q $(SPEC)
+	touch $@
+
+test-compat: $(COMPAT)/oldest/.installed $(COMPAT)/newest/.installed
+	WSCOMPRESS_COMPAT_PYTHONS="$(abspath $(COMPAT))/oldest/bin/python $(abspath $(COMPAT))/newest/bin/python" \
+	  $(PY) -m pytest -q tests/test_compat.py
 
 # the suite as a CPU with native bfloat16 runs it (calibration passes in bfloat16), emulated on any CPU
 test-bf16: install
