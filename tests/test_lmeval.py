@@ -105,3 +105,26 @@ def test_summarization_task_runs_offline_and_scores_generations(tokenizer, tmp_p
     monkeypatch.setattr(HFLM, "generate_until", lambda self, requests, disable_tqdm=False: [r.doc["summary"] for r in requests])
     out = run_tasks(tiny_model("llama"), tokenizer, [SUMMARY], task_data={SUMMARY: str(fixture)})
     assert out[SUMMARY]["rougeL"] == pytest.approx(1.0)
+
+
+def test_lm_eval_cli_scores_a_compressed_folder(tmp_path, tokenizer):
+    """The lm-eval command line, as users run it on a folder (`--model hf` with the folder's own
+    code): it loads the weights variant through the folder's classes and scores the task."""
+    import os
+    import subprocess
+    import sys
+
+    from wscompress.io import storage
+
+    model = tiny_model("llama")
+    compress(model, [{"method": "kmeans", "bits": 4, "outliers": 0.01}], tokenizer,
+             {"dataset": "pydoc", "num_samples": 4, "seq_len": 32, "batch_size": 2})
+    storage.save(model, tokenizer, tmp_path / "model")
+    tasks = Path(SENTIMENT).parent
+    env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+    done = subprocess.run([sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args",
+                           f"pretrained={tmp_path / 'model'},trust_remote_code=True", "--tasks", TASK, "--include_path",
+                           str(tasks), "--limit", "4", "--device", "cpu", "--output_path", str(tmp_path / "results")],
+                          cwd=tasks, env=env, capture_output=True, text=True, timeout=600)  # its data file is beside it
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"|{TASK}|" in done.stdout.replace(" ", "") and "acc" in done.stdout
