@@ -216,6 +216,22 @@ def test_lowrank_kernel_equals_the_two_matmuls(rows, bias):
     assert lin.basis.weight.grad is not None
 
 
+@pytest.mark.skipif(kernels.lut() is None or kernels.lowrank() is None, reason="kernels not built here")
+def test_kernels_are_pytorch_operators_with_shape_rules():
+    """The kernels are torch.ops.wscompress operators (a compiled graph calls them like aten's):
+    opcheck tests the schema, the shape rule torch.compile traces with and the dispatch."""
+    lin = layer(8, 4, outliers=5, d=2)
+    indices, width, sparse, tables = lin.kernel_layout()
+    x = torch.randn(3, 72)
+    torch.library.opcheck(torch.ops.wscompress.lut_linear.default,
+                          (x, indices, tables.float().contiguous(), width, 4, 48, *sparse))
+    torch.library.opcheck(torch.ops.wscompress.lut_dense.default,
+                          (indices, tables.float().contiguous(), width, 4, 48, 72, *sparse))
+    basis, coeff = torch.randn(13, 70), torch.randn(37, 13)
+    torch.library.opcheck(torch.ops.wscompress.lowrank_linear.default, (torch.randn(2, 70), basis, coeff, None))
+    torch.library.opcheck(torch.ops.wscompress.lowrank_linear.default, (torch.randn(1, 1, 70), basis, coeff, torch.randn(37)))
+
+
 @pytest.mark.skipif(kernels.lowrank() is None, reason="kernels not built here")
 @pytest.mark.parametrize("method", ["svd", "basis_sharing"])
 def test_low_rank_model_decodes_like_the_reference_path(tokenizer, monkeypatch, method):

@@ -38,6 +38,11 @@ def _disabled() -> bool:
     return os.environ.get("WSCOMPRESS_KERNELS", "1") == "0"
 
 
+# Kernels registered as PyTorch operators (torch.ops.wscompress.*), which a compiled graph calls
+# like any aten op; the others are plain Python modules (calibration's, never inside a graph).
+OPERATORS = {"lut": ("lut_linear", "lut_dense"), "lowrank": ("lowrank_linear",)}
+
+
 @cache
 def _load(source: str) -> tuple[ModuleType | None, str]:
     if _disabled():
@@ -51,11 +56,27 @@ def _load(source: str) -> tuple[ModuleType | None, str]:
         from torch.utils.cpp_extension import load
 
         module = load(name=f"wscompress_{source}", sources=[str(_staged(HERE / f"{source}.cpp", build))],
-                      build_directory=str(build), verbose=False, extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
+                      build_directory=str(build), verbose=False, extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                      extra_ldflags=["-fopenmp"], is_python_module=source not in OPERATORS)
+        if source in OPERATORS:
+            module = torch.ops.wscompress
+            _shape_rules(source)
     except Exception as err:  # noqa: BLE001 - any build or load failure means: use the torch path
         return None, f"not built ({_why(err)})"
     flags = cpu_flags()
     return module, f"{source}.cpp ({'AVX-512' if 'avx512f' in flags else 'AVX2' if 'avx2' in flags else 'scalar'})"
+
+
+def _shape_rules(source: str) -> None:
+    """What each operator returns, by shape alone (torch.compile traces with these)."""
+    if source == "lut":
+        torch.library.register_fake("wscompress::lut_linear")(
+            lambda x, idx, tables, width, group_size, out, row_ptr, col, delta: x.new_empty(x.shape[0], out))
+        torch.library.register_fake("wscompress::lut_dense")(
+            lambda idx, tables, width, group_size, out, in_features, row_ptr, col, delta: tables.new_empty(out, in_features))
+    else:
+        torch.library.register_fake("wscompress::lowrank_linear")(
+            lambda x, basis, coeff, bias: x.new_empty(*x.shape[:-1], coeff.shape[0]))
 
 
 def _build_folder() -> str:
@@ -200,7 +221,7 @@ def palettized_linear(x: torch.Tensor, indices: torch.Tensor, width: int, tables
         return None
     if _triton_path(x):
         return _gpu_linear(x, indices, width, tables, group_size, out_features, outliers)
-    module = lut()
+    module = _compiled_ops() or lut()
     if module is None or x.device.type != "cpu" or x.dtype != torch.float32:
         return None
     flat = x.reshape(-1, x.shape[-1]).contiguous()
@@ -210,6 +231,12 @@ def palettized_linear(x: torch.Tensor, indices: torch.Tensor, width: int, tables
         w = module.lut_dense(indices, tables, width, group_size, out_features, flat.shape[1], *sparse)
         return F.linear(flat, w).view(*x.shape[:-1], out_features)
     return module.lut_linear(flat, indices, tables, width, group_size, out_features, *sparse).view(*x.shape[:-1], out_features)
+
+
+def _compiled_ops():
+    """The operators, where torch.compile traces a call: the eager step before tracing loaded
+    them, and the loader itself (file system, compiler) is nothing a graph can hold."""
+    return torch.ops.wscompress if torch.compiler.is_compiling() else None
 
 
 def _triton_path(x: torch.Tensor) -> bool:
@@ -239,7 +266,7 @@ def low_rank_linear(x: torch.Tensor, basis: torch.Tensor, coeff: torch.Tensor,
     """coeff (basis x) + bias in one call for decoding, or None where the kernel does not apply
     (more than DECODE_ROWS rows, not CPU float32, kernels unavailable, gradients needed). It runs
     once per low-rank layer and decoded token, so the checks are kept few and cheap."""
-    module = lowrank()
+    module = _compiled_ops() or lowrank()
     if (module is None or x.device.type != "cpu" or x.numel() > DECODE_ROWS * x.shape[-1]
             or not x.dtype == basis.dtype == coeff.dtype == torch.float32 or bias is not None and bias.dtype != x.dtype
             or torch.is_grad_enabled() and (x.requires_grad or basis.requires_grad or coeff.requires_grad)):

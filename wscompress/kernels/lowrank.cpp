@@ -141,6 +141,10 @@ torch::Tensor lowrank_linear(torch::Tensor x, torch::Tensor basis, torch::Tensor
   return y;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("lowrank_linear", &lowrank_linear, "coeff (basis x) + bias for decoding (fused low-rank matmul)");
+// Registered as a PyTorch operator (torch.ops.wscompress.lowrank_linear), not a Python module: a
+// compiled graph (torch.compile) calls it like any aten op; wscompress/kernels gives its shape rule.
+TORCH_LIBRARY_FRAGMENT(wscompress, m) {
+  m.def("lowrank_linear(Tensor x, Tensor basis, Tensor coeff, Tensor? bias) -> Tensor");
 }
+
+TORCH_LIBRARY_IMPL(wscompress, CPU, m) { m.impl("lowrank_linear", &lowrank_linear); }

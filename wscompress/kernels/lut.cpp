@@ -331,7 +331,17 @@ torch::Tensor lut_dense(torch::Tensor idx, torch::Tensor tables, int64_t width, 
   return dispatch<Dense>(width, d, idx, tables, group_size, out, in, sparse(row_ptr, col, delta, out));
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("lut_linear", &lut_linear, "x @ W^T for a palettized W (look-up-table matmul)");
-  m.def("lut_dense", &lut_dense, "the dense weight of a palettized layer");
+// Registered as PyTorch operators (torch.ops.wscompress.lut_linear: x @ W^T for a palettized W;
+// lut_dense: its dense weight), not a Python module: a compiled graph (torch.compile) calls them
+// like any aten op; wscompress/kernels gives their shape rules.
+TORCH_LIBRARY_FRAGMENT(wscompress, m) {
+  m.def("lut_linear(Tensor x, Tensor idx, Tensor tables, int width, int group_size, int out, Tensor row_ptr, "
+        "Tensor col, Tensor delta) -> Tensor");
+  m.def("lut_dense(Tensor idx, Tensor tables, int width, int group_size, int out, int in_features, Tensor row_ptr, "
+        "Tensor col, Tensor delta) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(wscompress, CPU, m) {
+  m.impl("lut_linear", &lut_linear);
+  m.impl("lut_dense", &lut_dense);
 }

@@ -650,6 +650,8 @@ class PalettizedLinear(CompressedLinear):
         d, cols = self.cluster_dim, self.in_features // self.cluster_dim
         if d not in (1, 2, 4) or cols % 2:
             return None
+        if torch.compiler.is_compiling():  # a compiled graph reads the layout an eager call prepared (fixed values)
+            return getattr(self, "_layout", None)
         key = [(t.data_ptr(), t._version) for t in (self.indices, self.codebook)]
         if self.outliers:  # their corrections depend on the codebook and scales (which fine-tuning trains) too
             key += [(t.data_ptr(), t._version) for t in (self.outlier_index, self.outlier_value, self.scale) if t is not None]
