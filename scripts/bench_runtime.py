@@ -6,10 +6,14 @@ threads; with ``--device cuda`` in float16 (the dense baseline is then fp16), ti
 events, plus ``--layers``: one decode-sized product on LLaMA-7B-sized layers, where the weight
 bytes, not kernel launches, set the time. On CUDA both are also timed replayed from a captured
 CUDA graph (``graph`` columns: decode steps on a static KV cache, as serving stacks run them),
-which takes Python's kernel launches out of the time.
+which takes Python's kernel launches out of the time; on CPU ``--compile`` times the decode step
+compiled (torch.compile, ``compiled`` columns), which takes the framework's per-token cost out.
+``--breakdown`` adds, per model, where a decoded token's time goes (evaluation/profile.py). The
+shipped recipes' layouts are also measured with the tied embedding / head in the same layout.
 
-The models are built in this process (data-free options: the speed does not depend on the
-quality), take turns in every round, and each figure is the best of ``--rounds``. The decode
+The models are built in this process, kmeans layouts with random values of the layout (seconds;
+``--cluster`` runs data-free clustering instead: the speed does not depend on the values), take
+turns in every round, and each figure is the best of ``--rounds``. The decode
 bound is resident weight bytes / measured copy bandwidth (every weight is read once per
 decoded token at batch 1), so ``of bound`` says how close a path comes to the memory limit.
 
@@ -31,7 +35,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from wscompress import kernels
 from wscompress.evaluation.bench import kernel_path
-from wscompress.evaluation.decode import StaticDecoder
+from wscompress.evaluation.decode import StaticDecoder, cache_argument
+from wscompress.evaluation.profile import copy_bandwidth, decode_breakdown
+from wscompress.evaluation.profile import markdown as breakdown_markdown
 from wscompress.io import storage
 from wscompress.io.checkpoints import load_model
 from wscompress.recipe.load import load_recipe
@@ -69,6 +75,37 @@ MODELS = {  # label -> compress stages (empty: the dense model)
     "svd 20 %": [{"method": "svd", "whitening": False, "ratio": 0.2}],
     "svd 40 %": [{"method": "svd", "whitening": False, "ratio": 0.4}],
 }
+HEAD = {"targets": [r"model\.layers\.", "lm_head"]}  # the tied embedding / head palettized too (one table)
+RECIPES = {  # the shipped recipes' layouts, with the tied embedding / head in the same layout
+    "configs/kmeans_4bit.yaml": "kmeans 4-bit, 2-d vectors per 64 channels + row scales + 0.07 % outliers",
+    "configs/kmeans_3bit.yaml": "kmeans 3-bit, 2-d vectors per 64 channels + row scales + 0.35 % outliers",
+    "configs/kmeans_2bit.yaml": "kmeans 2-bit, 4-d vectors per matrix + row scales + 0.5 % outliers"}
+for _recipe, _label in RECIPES.items():
+    MODELS[f"{_recipe} layout + tied embedding/head"] = [{**MODELS[_label][0], **HEAD}]
+
+
+def random_layout(model, stage: dict) -> None:
+    """A kmeans stage's layout (its targets, codebooks, scales and kept-aside weights, the tied
+    table shared by the embedding) with random values, built in seconds instead of clustering:
+    the speed does not depend on the values."""
+    from wscompress.methods.kmeans import KMeansConfig, group_size_of, target_layers, tied_to_embeddings
+    from wscompress.model.arch import replace_everywhere, weight_of
+    from wscompress.model.modeling_wscompress import PalettizedEmbedding, PalettizedLinear
+
+    gen = torch.Generator().manual_seed(0)
+    cfg = KMeansConfig(**stage)
+    for module in target_layers(model, cfg).values():
+        out, inp = weight_of(module).shape
+        kept = int(cfg.outliers * out * inp)
+        layer = PalettizedLinear.from_clusters(
+            torch.randn(out // group_size_of(cfg, out), 2**cfg.bits, cfg.cluster_dim, generator=gen) * 0.02,
+            torch.randint(0, 2**cfg.bits, (out, inp // cfg.cluster_dim), generator=gen), None,
+            outliers=(torch.randperm(out * inp, generator=gen)[:kept], torch.randn(kept, generator=gen) * 0.05) if kept else None,
+            scale=torch.rand(out, generator=gen) + 0.5 if cfg.row_scale else None, codebook_dtype=cfg.codebook_dtype)
+        embedding = tied_to_embeddings(model, module)
+        replace_everywhere(model, module, layer)
+        if embedding is not None:  # the tied table: one module for both, as the method makes it
+            replace_everywhere(model, embedding, PalettizedEmbedding.around(layer, embedding))
 
 
 def clock(device: torch.device) -> float:
@@ -76,18 +113,6 @@ def clock(device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
-
-
-def copy_bandwidth(device: torch.device, threads: int, mb: int = 512) -> float:
-    """Bytes per second moved by a large tensor copy (read + write) with ``threads`` threads."""
-    torch.set_num_threads(threads)
-    src, dst = torch.ones(mb * 2**18, device=device), torch.empty(mb * 2**18, device=device)
-    best = float("inf")
-    for _ in range(5):
-        start = clock(device)
-        dst.copy_(src)
-        best = min(best, clock(device) - start)
-    return 2 * src.numel() * 4 / best
 
 
 @torch.inference_mode()
@@ -98,18 +123,20 @@ def timings(model, batch: int, prompt: int, decode: int) -> dict[str, float]:
     start = clock(device)
     model(input_ids=x, use_cache=False)
     prefill = clock(device) - start
+    name = cache_argument(model)
     out = model(input_ids=x[:, :32], use_cache=True)
-    past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    past, token = getattr(out, name), out.logits[:, -1:].argmax(-1)
     start = clock(device)
     for _ in range(decode):
-        out = model(input_ids=token, past_key_values=past, use_cache=True)
-        past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        out = model(input_ids=token, use_cache=True, **{name: past})
+        past, token = getattr(out, name), out.logits[:, -1:].argmax(-1)
     return {"prefill": prefill, "decode": clock(device) - start}
 
 
 @torch.no_grad()
 def graph_decode_seconds(decoder: StaticDecoder, decode: int) -> float:
-    """Seconds of ``decode`` greedy steps replayed from the decoder's CUDA graph."""
+    """Seconds of ``decode`` greedy steps replayed from the decoder's CUDA graph (or run
+    compiled: a decoder made with ``compile=True``)."""
     decoder.reset()
     start = clock(decoder.prompt.device)
     for _ in range(decode):
@@ -199,11 +226,18 @@ def main() -> None:
     ap.add_argument("--layers", action="store_true", help="also time single products on LLaMA-7B-sized layers")
     ap.add_argument("--graph", action=argparse.BooleanOptionalAction, default=True,
                     help="on CUDA, also time decoding replayed from CUDA graphs")
+    ap.add_argument("--compile", action="store_true", help="also time decoding with the step compiled (torch.compile, "
+                    "static cache; about a minute of compiling per model)")
+    ap.add_argument("--breakdown", action="store_true", help="also report where a decoded token's time goes (batch 1, "
+                    "the first thread count), part by part")
+    ap.add_argument("--cluster", action="store_true", help="build kmeans layouts by data-free clustering (minutes) "
+                    "instead of random values of the same layout (seconds; the speed is the same)")
     ap.add_argument("--out", type=Path, default=REPO / "outputs" / "bench_runtime")
     args = ap.parse_args()
     device = torch.device(args.device)
     dtype = torch.float16 if device.type == "cuda" else torch.float32
-    graphed = device.type == "cuda" and args.graph
+    graphed = device.type == "cuda" and args.graph or args.compile
+    static = "graph" if device.type == "cuda" and args.graph else "compiled"
     threads_list = args.threads if device.type == "cpu" else [torch.get_num_threads()]
 
     recipe = load_recipe(data={"model": {"path": args.model, "device": args.device}})
@@ -215,9 +249,12 @@ def main() -> None:
     models = {}
     for label in args.models:
         model = copy.deepcopy(original)
-        if MODELS[label]:
+        stages = MODELS[label]
+        if stages and stages[0]["method"] == "kmeans" and not args.cluster:
+            random_layout(model, stages[0])
+        elif stages:
             run = recipe.model_copy()
-            run.compress = load_recipe(data={"compress": MODELS[label]}).compress
+            run.compress = load_recipe(data={"compress": stages}).compress
             apply_stages(model, tok, run)
         models[label] = model.to(dtype).eval()
     del original
@@ -227,12 +264,13 @@ def main() -> None:
 
     rows = []
     for threads in threads_list:
-        bandwidth = copy_bandwidth(device, threads)
         torch.set_num_threads(threads)
+        bandwidth = copy_bandwidth(device)
         for batch in args.batches:
             best = {label: {"prefill": float("inf"), "decode": float("inf"), "graph": float("inf")} for label in models}
             prompt = torch.randint(0, 1000, (batch, 32), generator=torch.Generator().manual_seed(1)).to(device)
-            graphs = {label: StaticDecoder(m, prompt, args.decode, graph=True) for label, m in models.items()} if graphed else {}
+            graphs = {label: StaticDecoder(m, prompt, args.decode, graph=static == "graph", compile=args.compile)
+                      for label, m in models.items()} if graphed else {}
             for round_ in range(args.rounds + 1):  # round 0 warms up; then the models take turns
                 for label, model in models.items():
                     t = timings(model, batch, args.prefill, args.decode)
@@ -252,24 +290,32 @@ def main() -> None:
                     row["prefill x dense"] = round(dense["prefill"] / best[label]["prefill"], 2)
                 if graphed:
                     graph_tps = batch * args.decode / best[label]["graph"]
-                    row["graph decode tok/s"] = round(graph_tps, 1)
+                    row[f"{static} decode tok/s"] = round(graph_tps, 1)
                     if dense is not None:
-                        row["graph x dense"] = round(dense["graph"] / best[label]["graph"], 2)
+                        row[f"{static} x dense"] = round(dense["graph"] / best[label]["graph"], 2)
                 if batch == 1:
                     bound = bandwidth / resident[label]
                     row["decode bound tok/s"] = round(bound, 1)
-                    row["of bound"] = f"{max(decode_tps, row.get('graph decode tok/s', 0)) / bound:.0%}"
+                    row["of bound"] = f"{max(decode_tps, row.get(f'{static} decode tok/s', 0)) / bound:.0%}"
                 rows.append(row)
                 print(row, flush=True)
     paths = {label: kernel_path(m) for label, m in models.items()}
     cols = ["threads", "batch", "model", "resident MB", "decode tok/s", "decode x dense"]
-    cols += ["graph decode tok/s", "graph x dense"] if graphed else []
+    cols += [f"{static} decode tok/s", f"{static} x dense"] if graphed else []
     cols += ["decode bound tok/s", "of bound", "prefill tok/s", "prefill x dense"]
     where = f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}, {str(dtype).removeprefix('torch.')}"
     name = f"{args.model}{' (random weights)' if args.random_weights else ''}"
     parts = [f"{name} on {where}; decode {args.decode} tokens after a 32-token prompt, prefill "
              f"{args.prefill} tokens; best of {args.rounds} rounds, models interleaved; kernels: {kernels.status()}",
              markdown(rows, cols), markdown([{"model": k, "path": v} for k, v in paths.items()], ["model", "path"])]
+    breakdowns = {}
+    if args.breakdown:  # one thread count (the first), batch 1, eager: where each model's token goes
+        torch.set_num_threads(threads_list[0])
+        bandwidth = copy_bandwidth(device)
+        for label, model in models.items():
+            breakdowns[label] = decode_breakdown(model, bandwidth)
+            parts.append(f"Where a decoded token's time goes: {label} ({threads_list[0]} thread(s), batch 1, eager)\n\n"
+                         + breakdown_markdown(breakdowns[label]))
     layers = []
     if args.layers:
         layers = layer_rows(device, dtype, bandwidth, graphed)
@@ -277,7 +323,8 @@ def main() -> None:
                   "bound = weight bytes / copy bandwidth)", markdown(layers, [c for c in LAYER_COLS if c in layers[0]])]
     md = "\n\n".join(parts)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps({"rows": rows, "paths": paths, "layers": layers}, indent=1))
+    (args.out / "results.json").write_text(json.dumps({"rows": rows, "paths": paths, "layers": layers, "breakdowns": breakdowns},
+                                                      indent=1))
     (args.out / "results.md").write_text(md + "\n")
     print(md)
 

@@ -36,6 +36,30 @@ def test_bench_compares_original_and_compressed(tmp_path, tiny_dir, tokenizer):
     assert out["kernels"]["compressed"].startswith("low-rank: fused kernel for decoding" if kernels.lowrank()
                                                    else "low-rank: two matmuls (torch)")
     assert rows["resident weights MB"]["compressed"] < rows["resident weights MB"]["original"]
+    parts = {(r["model"], r["part"]): r for r in out["breakdown"]}  # where a decoded token's time goes
+    assert {("original", "linears: dense"), ("compressed", "linears: low rank"), ("compressed", "head"),
+            ("compressed", "attention (linears apart)"), ("compressed", "norms"), ("compressed", "step")} <= set(parts)
+    assert parts["compressed", "step"]["MB read"] < parts["original", "step"]["MB read"]
+    assert "## breakdown" in (tmp_path / "run" / "reports" / "bench.md").read_text()
+
+
+def test_decode_breakdown_accounts_for_the_step():
+    """Each part's own time (hooks' cost taken out) and the rest add up to the plain step; the
+    parts read the model's weights once (the embedding one row)."""
+    from wscompress.evaluation.profile import decode_breakdown, markdown
+
+    model = tiny_model("llama")
+    compress(model, [{"method": "kmeans", "bits": 4, "sensitivity": "none", "error_feedback": False, "refit": False,
+                      "outliers": 0.01}])
+    b = decode_breakdown(model, bandwidth=1e10, prompt=8, steps=4)
+    parts = {r["part"]: r for r in b["rows"]}
+    assert "linears: palettized 4-bit, scalar, a codebook per channel, outliers" in parts
+    assert {"head", "embedding", "norms", "attention (linears apart)"} < set(parts) and any(p.startswith("rest") for p in parts)
+    assert sum(r["ms"] for r in b["rows"]) >= 0.99 * b["ms"] > 0
+    assert parts["embedding"]["MB"] * 2**20 == 64 * 4  # one row of the float32 table
+    assert parts["head"]["MB"] * 2**20 == 512 * 64 * 4
+    assert b["bound_ms"] == b["MB"] * 2**20 / 1e10 * 1e3
+    assert "| **step** |" in markdown(b)
 
 
 def test_median_after_warmup(monkeypatch):
@@ -87,3 +111,24 @@ def test_static_decoder_decodes_what_generate_does(method):
             tokens = [decoder.first] + [decoder.step().clone() for _ in range(5)]
             assert torch.equal(torch.cat(tokens, 1), expected)
             decoder.reset()
+
+
+def test_compiled_decoding_gives_the_eager_tokens(tokenizer):
+    """The decode step compiled (torch.compile, the compressed layers' kernels called as operators
+    inside the graph) decodes the eager tokens, through StaticDecoder and through generate once
+    compile_decode set it up (transformers' static cache and automatic compilation)."""
+    from wscompress.evaluation.decode import compile_decode
+
+    model = tiny_model("llama")
+    compress(model, [{"method": "svd", "ratio": 0.3, "whitening": False, "targets": ["mlp"]},
+                     {"method": "kmeans", "bits": 4, "sensitivity": "none", "error_feedback": False, "refit": False,
+                      "outliers": 0.01, "targets": ["self_attn", "lm_head"]}])
+    prompt = torch.randint(0, 512, (1, 7), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        expected = model.generate(prompt, max_new_tokens=6, do_sample=False, min_new_tokens=6)
+        decoder = StaticDecoder(model, prompt, max_new_tokens=5, compile=True)
+        tokens = [decoder.first] + [decoder.step().clone() for _ in range(5)]
+        assert torch.equal(torch.cat(tokens, 1), expected[:, 7:])
+        compiled = compile_decode(model).generate(prompt, max_new_tokens=6, do_sample=False, min_new_tokens=6)
+    assert torch.equal(compiled, expected)
+    assert model.generation_config.cache_implementation == "static"

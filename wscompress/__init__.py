@@ -39,3 +39,12 @@ def compress(model, stages: list, tokenizer=None, calibration: dict | None = Non
 
     recipe = load_recipe(data={"compress": stages, "calibration": calibration or {}})
     return apply_stages(model, tokenizer, recipe)
+
+
+def compile_decode(model):
+    """Make ``model.generate()`` decode on a static KV cache with its step compiled (torch.compile,
+    the compressed layers' kernels inside the graph): compiling costs about a minute once, so it
+    pays for long or many generations (docs/runtime.md). Returns the model."""
+    from .evaluation.decode import compile_decode as setup
+
+    return setup(model)

@@ -23,7 +23,8 @@ from ..io import storage, ui
 from ..io.checkpoints import checkpoint_files, load_model, resolve_path
 from ..io.offload import model_device, offload_of
 from ..recipe.schema import BenchConfig, ModelConfig
-from .decode import StaticDecoder
+from .decode import StaticDecoder, cache_argument
+from .profile import copy_bandwidth, decode_breakdown
 from .report import peak_memory_mb
 
 
@@ -71,19 +72,22 @@ def throughput(model: nn.Module, batch: int, seq_len: int, cfg: BenchConfig) -> 
     def prefill(_):
         model(input_ids=x, use_cache=False)
 
+    name = cache_argument(model)
+
     def prompt_cache():
         out = model(input_ids=x, use_cache=True)
-        return out.past_key_values, out.logits[:, -1:].argmax(-1)
+        return getattr(out, name), out.logits[:, -1:].argmax(-1)
 
     def decode(state):
         past, token = state
         for _ in range(cfg.decode_tokens):
-            out = model(input_ids=token, past_key_values=past, use_cache=True)
-            past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+            out = model(input_ids=token, use_cache=True, **{name: past})
+            past, token = getattr(out, name), out.logits[:, -1:].argmax(-1)
 
     row = {"prefill_tok_s": batch * seq_len / _median_seconds(device, prefill, lambda: None, cfg)}
-    if cfg.decode_tokens and cfg.cuda_graph and device.type == "cuda":
-        decoder = StaticDecoder(model, x, cfg.decode_tokens, graph=True)
+    graph = cfg.cuda_graph and device.type == "cuda"
+    if cfg.decode_tokens and (graph or cfg.compile):
+        decoder = StaticDecoder(model, x, cfg.decode_tokens, graph=graph, compile=cfg.compile)
         steps = lambda _: [decoder.step() for _ in range(cfg.decode_tokens)]  # noqa: E731
         row["decode_tok_s"] = batch * cfg.decode_tokens / _median_seconds(device, steps, decoder.reset, cfg)
     elif cfg.decode_tokens:
@@ -102,12 +106,15 @@ def measure(model_cfg: ModelConfig, cfg: BenchConfig, quiet: bool = False) -> di
     with offload_of(model).running():  # offloaded layers are read as they run: the timings include that
         shapes = {(b, s): throughput(model, b, s, cfg) for b in ui.track(cfg.batch_sizes, "bench batch sizes")
                   for s in cfg.seq_lens}
+        parts = decode_breakdown(model, copy_bandwidth(model_device(model))) if cfg.breakdown and cfg.decode_tokens \
+            and not offload_of(model).moves else None
     peak = peak_memory_mb(model_device(model))
     stats, file_bytes = storage.stats(model), weight_files_bytes(model_cfg)
     return {"params": stats["params"], "weights_mb": stats["tensor_bytes"] / 2**20,
             "resident_mb": storage.resident_bytes(model) / 2**20, "kernel": kernel_path(model),
             "file_mb": None if file_bytes is None else file_bytes / 2**20, "load_s": load_s, "peak_memory_mb": peak,
-            "device": str(model_device(model)), "offload": model_cfg.offload, "shapes": [{"batch": b, "seq_len": s, **r} for (b, s), r in shapes.items()]}
+            "device": str(model_device(model)), "offload": model_cfg.offload, "breakdown": parts,
+            "shapes": [{"batch": b, "seq_len": s, **r} for (b, s), r in shapes.items()]}
 
 
 def kernel_path(model: nn.Module) -> str:
@@ -150,6 +157,20 @@ def comparison_rows(results: dict[str, dict]) -> list[dict]:
     return rows
 
 
+def breakdown_rows(results: dict[str, dict]) -> list[dict]:
+    """Where a decoded token's time goes (batch 1), one row per model and part, then the step."""
+    rows = []
+    for label, r in results.items():
+        b = r.get("breakdown")
+        if b is None:
+            continue
+        rows += [{"model": label, "part": p["part"], "ms / token": p["ms"], "share": p["share"], "MB read": p["MB"],
+                  "of copy bandwidth": p["of bandwidth"]} for p in b["rows"]]
+        rows.append({"model": label, "part": "step", "ms / token": b["ms"], "share": 1.0, "MB read": b["MB"],
+                     "of copy bandwidth": b["bound_ms"] / b["ms"]})
+    return rows
+
+
 def compare(models: dict[str, ModelConfig], cfg: BenchConfig) -> dict:
     """Measure each model (label -> its model section) in a fresh interpreter (spawn: fork would
     inherit this process's memory and CUDA state): the comparison table, the kernel paths and
@@ -161,6 +182,7 @@ def compare(models: dict[str, ModelConfig], cfg: BenchConfig) -> dict:
             results[label] = pool.submit(measure, mcfg, cfg, ui.QUIET).result()
     cuda = "cuda" in results["original"]["device"]
     return {"table": comparison_rows(results), "kernels": {label: r["kernel"] for label, r in results.items()},
-            "details": results,
+            "breakdown": breakdown_rows(results), "details": results,
             "timing": ("cuda events" + (", decode steps replayed as CUDA graphs" if cfg.cuda_graph else "")) if cuda else
-            f"wall clock, median of {cfg.repeats} after {cfg.warmup} warm-up"}
+            f"wall clock, median of {cfg.repeats} after {cfg.warmup} warm-up"
+            + (", decode steps compiled (torch.compile)" if cfg.compile else "")}

@@ -1,44 +1,81 @@
-"""Greedy decoding on a static KV cache, one token a step, optionally replayed as a CUDA graph.
+"""Greedy decoding on a static KV cache, one token a step, optionally compiled (torch.compile)
+or replayed as a CUDA graph.
 
-Eager decoding of a small model on a GPU is bound by Python launching kernels one at a time,
-not by the GPU: a 135M model then decodes no faster than a 1B one, and what a compressed layer
-saves in bytes never shows. Serving stacks capture the decode step once as a CUDA graph and
-replay it. ``StaticDecoder`` does the same on transformers' ``StaticCache`` (fixed shapes and
-addresses, which a graph needs), so ``bench`` can measure the layers rather than Python.
+Eager decoding of a small model is bound by Python running each module's small ops one at a
+time, not by the weights: on a GPU a 135M model then decodes no faster than a 1B one, and on a
+CPU attention, norms and the framework take as long as the compressed linears (``profile``).
+Serving stacks compile the decode step, or capture it once as a CUDA graph and replay it.
+``StaticDecoder`` does the same on transformers' ``StaticCache`` (fixed shapes and addresses,
+which both need): ``compile=True`` traces the step once with torch.compile (the compressed
+layers' kernels are PyTorch operators the graph calls), ``graph=True`` (CUDA) captures it.
+``compile_decode`` sets a model's ``generate`` up the same way (transformers' own static cache
+and automatic compilation).
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 from torch import nn
 from transformers import StaticCache
 
-WARMUP = 2  # eager steps before capture: kernels compile and tune, layers build their layouts
+WARMUP = 2  # eager steps before capture or tracing: kernels compile and tune, layers build their layouts
+
+
+def cache_argument(model: nn.Module) -> str:
+    """The name the model's forward takes its KV cache by: ``cache`` (transformers >= 5.2x, which
+    deprecates the old name) or ``past_key_values``."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def compile_decode(model: nn.Module) -> nn.Module:
+    """Make ``model.generate()`` decode on a static KV cache with its forward compiled
+    (transformers' own automatic compilation, which it otherwise turns on only on GPUs): the
+    first call compiles (about a minute for a 135M model on 2 CPU cores, less from inductor's
+    cache in a later process; again for each new cache length), later calls run the compiled
+    step. Worth it for long or many generations (docs/runtime.md has the measured trade-off)."""
+    from transformers.generation.configuration_utils import CompileConfig
+
+    config = CompileConfig(fullgraph=True, dynamic=False)
+    config._compile_all_devices = True  # transformers' switch for compiling off GPUs
+    model.generation_config.cache_implementation = "static"
+    model.generation_config.compile_config = config
+    return model
 
 
 class StaticDecoder:
     """Greedy decoding after ``prompt`` (batch, length): the prompt is run once on construction;
     each ``step()`` decodes one token per sequence (at most ``max_new_tokens`` after each
-    ``reset()``). ``graph=True`` (CUDA only) captures the step once and replays it."""
+    ``reset()``). ``compile=True`` runs the step compiled (traced once, after eager warm-up
+    steps); ``graph=True`` (CUDA only) captures it once and replays it."""
 
-    def __init__(self, model: nn.Module, prompt: torch.Tensor, max_new_tokens: int, graph: bool = False):
+    def __init__(self, model: nn.Module, prompt: torch.Tensor, max_new_tokens: int, graph: bool = False,
+                 compile: bool = False):
         self.model, self.prompt, self.start = model, prompt, prompt.shape[1]
+        self.cache_name = cache_argument(model)
         self.cache = StaticCache(config=model.config, max_cache_len=self.start + max(max_new_tokens, WARMUP))
+        self.forward = self._logits
         self.first = self._prefill()  # the token the prompt predicts
         self.token, self.position = self.first.clone(), torch.tensor([self.start], device=prompt.device)
         self.graph: torch.cuda.CUDAGraph | None = None
+        if compile:
+            for _ in range(WARMUP):  # layers build their kernel layouts eagerly: the graph reads them
+                self._step()
+            self.forward = torch.compile(self._logits, dynamic=False, fullgraph=True)
+            self._step()  # traced and compiled here, not in the first timed step
+            self.reset()
         if graph:
             self._capture()
 
+    def _logits(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=ids, cache_position=positions, use_cache=True, **{self.cache_name: self.cache}).logits
+
     def _prefill(self) -> torch.Tensor:
-        logits = self.model(input_ids=self.prompt, past_key_values=self.cache, use_cache=True,
-                            cache_position=torch.arange(self.start, device=self.prompt.device)).logits
-        return logits[:, -1:].argmax(-1)
+        return self._logits(self.prompt, torch.arange(self.start, device=self.prompt.device))[:, -1:].argmax(-1)
 
     def _step(self) -> None:
-        logits = self.model(input_ids=self.token, past_key_values=self.cache, cache_position=self.position,
-                            use_cache=True).logits
-        self.token.copy_(logits[:, -1:].argmax(-1))
+        self.token.copy_(self.forward(self.token, self.position)[:, -1:].argmax(-1))
         self.position += 1
 
     def _capture(self) -> None:

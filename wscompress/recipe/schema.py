@@ -248,6 +248,10 @@ class BenchConfig(Strict):
     cuda_graph: bool = Field(False, description="on CUDA, decode on a static KV cache with each step replayed as "
                              "one captured CUDA graph, as serving stacks do (eager decoding of a small model times "
                              "Python's kernel launches, not the layers); no effect on CPU")
+    compile: bool = Field(False, description="decode on a static KV cache with the step compiled (torch.compile; "
+                          "about a minute once per model on 2 CPU cores): the framework's per-token cost left out")
+    breakdown: bool = Field(True, description="also report where a decoded token's time goes at batch 1 (linears "
+                            "by layout, attention, norms, embedding, head, the rest) with the bytes each part reads")
 
 
 class OutputConfig(Strict):
