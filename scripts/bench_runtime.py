@@ -75,13 +75,18 @@ MODELS = {  # label -> compress stages (empty: the dense model)
     "svd 20 %": [{"method": "svd", "whitening": False, "ratio": 0.2}],
     "svd 40 %": [{"method": "svd", "whitening": False, "ratio": 0.4}],
 }
-HEAD = {"targets": [r"model\.layers\.", "lm_head"]}  # the tied embedding / head palettized too (one table)
-RECIPES = {  # the shipped recipes' layouts, with the tied embedding / head in the same layout
+# the tied embedding / head (one table): in a layout of the recipe's bits it costs 20-25 % of
+# perplexity; 8-bit scalar codebooks per 64 rows cost 0.2 % (docs/runtime.md)
+HEAD = {"targets": [r"model\.layers\.", "lm_head"]}
+HEAD_8BIT = {**PLAIN, "bits": 8, "granularity": "grouped", "group_size": 64, "codebook_dtype": "float16",
+             "targets": ["lm_head"]}
+RECIPES = {  # the shipped recipes' layouts (labels above)
     "configs/kmeans_4bit.yaml": "kmeans 4-bit, 2-d vectors per 64 channels + row scales + 0.07 % outliers",
     "configs/kmeans_3bit.yaml": "kmeans 3-bit, 2-d vectors per 64 channels + row scales + 0.35 % outliers",
     "configs/kmeans_2bit.yaml": "kmeans 2-bit, 4-d vectors per matrix + row scales + 0.5 % outliers"}
 for _recipe, _label in RECIPES.items():
-    MODELS[f"{_recipe} layout + tied embedding/head"] = [{**MODELS[_label][0], **HEAD}]
+    MODELS[f"{_recipe} layout + tied embedding/head in it"] = [{**MODELS[_label][0], **HEAD}]
+    MODELS[f"{_recipe} layout + 8-bit tied embedding/head"] = [MODELS[_label][0], HEAD_8BIT]
 
 
 def random_layout(model, stage: dict) -> None:
@@ -106,6 +111,17 @@ def random_layout(model, stage: dict) -> None:
         replace_everywhere(model, module, layer)
         if embedding is not None:  # the tied table: one module for both, as the method makes it
             replace_everywhere(model, embedding, PalettizedEmbedding.around(layer, embedding))
+
+
+def build(model, tok, recipe, stages: list[dict], cluster: bool = False) -> None:
+    """Apply ``stages`` in order: kmeans ones as random layouts (or clustered, with ``cluster``)."""
+    for stage in stages:
+        if stage["method"] == "kmeans" and not cluster:
+            random_layout(model, stage)
+        else:
+            run = recipe.model_copy()
+            run.compress = load_recipe(data={"compress": [stage]}).compress
+            apply_stages(model, tok, run)
 
 
 def clock(device: torch.device) -> float:
@@ -249,13 +265,7 @@ def main() -> None:
     models = {}
     for label in args.models:
         model = copy.deepcopy(original)
-        stages = MODELS[label]
-        if stages and stages[0]["method"] == "kmeans" and not args.cluster:
-            random_layout(model, stages[0])
-        elif stages:
-            run = recipe.model_copy()
-            run.compress = load_recipe(data={"compress": stages}).compress
-            apply_stages(model, tok, run)
+        build(model, tok, recipe, MODELS[label], args.cluster)
         models[label] = model.to(dtype).eval()
     del original
     for m in models.values():  # prepare kernel layouts before counting what stays resident

@@ -29,13 +29,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench_runtime import MODELS, markdown, random_layout, timings
+from bench_runtime import MODELS, RECIPES, build, markdown, timings
 from wscompress.evaluation.decode import StaticDecoder
 from wscompress.io import storage
 from wscompress.io.checkpoints import builtin_dir, load_model
 from wscompress.io.hardware import cpu_flags
 from wscompress.recipe.load import load_recipe
-from wscompress.workflow import apply_stages
 
 REPO = Path(__file__).resolve().parents[1]
 NODE_LLAMA_CPP = "node-llama-cpp@3.21.1"
@@ -145,9 +144,7 @@ def wscompress_times(model, rounds: int, prompt: torch.Tensor, decoder: StaticDe
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    default = ["dense", "configs/kmeans_4bit.yaml layout + tied embedding/head", "configs/kmeans_3bit.yaml layout + "
-               "tied embedding/head", "configs/kmeans_2bit.yaml layout + tied embedding/head",
-               "kmeans 4-bit, 2-d vectors per 64 channels + row scales + 0.07 % outliers"]
+    default = ["dense", RECIPES["configs/kmeans_4bit.yaml"], *(f"{r} layout + 8-bit tied embedding/head" for r in RECIPES)]
     ap.add_argument("--models", nargs="+", default=default, choices=list(MODELS))
     ap.add_argument("--quants", nargs="+", default=list(QUANTS), choices=QUANTS)
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
@@ -167,20 +164,14 @@ def main() -> None:
     models = {}
     for label in args.models:
         model = copy.deepcopy(original)
-        stages = MODELS[label]
-        if stages and stages[0]["method"] == "kmeans":
-            random_layout(model, stages[0])
-        elif stages:
-            run = recipe.model_copy()
-            run.compress = load_recipe(data={"compress": stages}).compress
-            apply_stages(model, tok, run)
+        build(model, tok, recipe, MODELS[label])
         models[label] = model.eval()
     del original
 
+    decoders = {label: StaticDecoder(m, prompt_ids, DECODE, compile=True) for label, m in models.items()}  # compiled once
     rows = []
     for threads in args.threads:
         torch.set_num_threads(threads)
-        decoders = {label: StaticDecoder(m, prompt_ids, DECODE, compile=True) for label, m in models.items()}
         results = {}
         for q, path in ggufs.items():
             r = llama_cpp(script, path, threads, args.rounds, prompt_ids[0].tolist(), prefill_ids)

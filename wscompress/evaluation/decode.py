@@ -50,6 +50,7 @@ class StaticDecoder:
     ``reset()``). ``compile=True`` runs the step compiled (traced once, after eager warm-up
     steps); ``graph=True`` (CUDA only) captures it once and replays it."""
 
+    @torch.no_grad()  # decoding never needs gradients: a step traced with them would keep a backward graph
     def __init__(self, model: nn.Module, prompt: torch.Tensor, max_new_tokens: int, graph: bool = False,
                  compile: bool = False):
         self.model, self.prompt, self.start = model, prompt, prompt.shape[1]
@@ -90,6 +91,7 @@ class StaticDecoder:
             self._step()
         self.reset()
 
+    @torch.no_grad()
     def reset(self) -> None:
         """Back to the first token after the prompt. The cache is emptied in place (its layers
         may count their own length) and the prompt run again: a captured graph keeps its addresses."""
@@ -97,6 +99,7 @@ class StaticDecoder:
         self.token.copy_(self._prefill())
         self.position.fill_(self.start)
 
+    @torch.no_grad()
     def step(self) -> torch.Tensor:
         """Decode one token per sequence; returns the (batch, 1) tensor holding it (reused each step)."""
         if self.graph is not None:

@@ -40,7 +40,7 @@ class _Stop(Exception):
 
 
 Call = tuple[tuple, dict]  # what a decoder layer receives besides its hidden states: (args, kwargs)
-CACHE_KEYS = ("past_key_values", "past_key_value", "layer_past", "use_cache")
+CACHE_KEYS = ("cache", "past_key_values", "past_key_value", "layer_past", "use_cache")  # "cache": transformers >= 5.2x
 
 
 @dataclass
