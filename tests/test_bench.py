@@ -132,3 +132,23 @@ def test_compiled_decoding_gives_the_eager_tokens(tokenizer):
         compiled = compile_decode(model).generate(prompt, max_new_tokens=6, do_sample=False, min_new_tokens=6)
     assert torch.equal(compiled, expected)
     assert model.generation_config.cache_implementation == "static"
+
+
+def test_many_compiled_decoders_in_one_process():
+    """Each compiled decoder traces its own model's step (benchmarks compile a dozen models side
+    by side): more graphs of one code object than dynamo's recompile limit (lowered to 1 here to
+    keep the test short; 8 by default), each still right."""
+    import torch._dynamo
+
+    prompt = torch.tensor([[1, 2, 3]])
+    decoders = []
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for i in range(3):
+            model = tiny_model("llama", seed=i, layers=1, vocab_size=256 + 16 * i)
+            decoders.append((model, StaticDecoder(model, prompt, max_new_tokens=3, compile=True)))
+        for model, decoder in decoders:
+            decoder.reset()
+            tokens = torch.cat([decoder.first] + [decoder.step().clone() for _ in range(3)], 1)
+            with torch.no_grad():
+                expected = model.generate(prompt, max_new_tokens=4, do_sample=False, min_new_tokens=4)
+            assert torch.equal(tokens, expected[:, 3:])

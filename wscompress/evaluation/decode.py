@@ -15,6 +15,7 @@ and automatic compilation).
 from __future__ import annotations
 
 import inspect
+from typing import Callable
 
 import torch
 from torch import nn
@@ -63,11 +64,21 @@ class StaticDecoder:
         if compile:
             for _ in range(WARMUP):  # layers build their kernel layouts eagerly: the graph reads them
                 self._step()
-            self.forward = torch.compile(self._logits, dynamic=False, fullgraph=True)
+            self.forward = self._compiled(torch.compile(self._logits, dynamic=False, fullgraph=True))
             self._step()  # traced and compiled here, not in the first timed step
             self.reset()
         if graph:
             self._capture()
+
+    @staticmethod
+    def _compiled(step: Callable) -> Callable:
+        """``step`` run with dynamo's recompile limit lifted: every decoder's step shares one code
+        object (``_logits``), so dynamo counts each model's graph (and a model's graph for another
+        thread count, whose kernel layouts differ) as a recompile of one function."""
+        def run(*args):
+            with torch._dynamo.config.patch(recompile_limit=1 << 16):
+                return step(*args)
+        return run
 
     def _logits(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=ids, cache_position=positions, use_cache=True, **{self.cache_name: self.cache}).logits
