@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH_SPEC)
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -e ".[all,dev]"
 	$(PY) -m wscompress.kernels.build  # compiled LUT kernels; without a compiler the torch path runs
 	touch $(STAMP)
 

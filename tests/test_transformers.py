@@ -360,3 +360,76 @@ def test_folders_of_format_2_still_load(folders, tmp_path):
     assert (tmp_path / "new" / storage.WEIGHTS).is_file()
     assert "quantization_config" not in json.loads((tmp_path / "new" / "config.json").read_text())["base_config"]
     torch.testing.assert_close(logits_of(AutoModelForCausalLM.from_pretrained(tmp_path / "new")), saved, rtol=1e-5, atol=1e-5)
+
+
+# The optional extras (pyproject.toml) a user who only loads folders does not install, by the
+# names of their site-packages entries (modules, their .libs, their dist-info)
+EXTRAS = ("scipy", "datasets", "lm_eval", "peft", "matplotlib", "mpl_toolkits", "rouge_score", "gguf", "sklearn",
+          "scikit_learn")
+
+# Runs in an interpreter whose site-packages lack the extras: wscompress loads folders there
+# (both ways), and a step that needs an extra says which to install
+WITHOUT_EXTRAS = textwrap.dedent("""
+    import importlib.util, json, sys
+
+    extras = json.loads(sys.argv[4])
+    assert [m for m in extras if importlib.util.find_spec(m) is not None] == []
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+    import wscompress
+
+    folders, ids, out = json.loads(sys.argv[1]), load_file(sys.argv[2])["ids"], sys.argv[3]
+    logits = {}
+    with torch.no_grad():
+        for name, folder in folders.items():
+            logits[name + "/load"] = wscompress.load(folder, device="cpu")[0](ids).logits.contiguous()
+            logits[name + "/auto"] = AutoModelForCausalLM.from_pretrained(folder)(ids).logits.contiguous()
+    save_file(logits, out)
+    from wscompress.cli import main
+    sys.argv = ["wscompress", "check", sys.argv[5]]
+    try:
+        main()
+    except SystemExit as done:
+        print("@check exit", done.code)
+    assert not [m for m in sys.modules if m.partition(".")[0] in extras]
+""")
+
+
+def test_folders_load_without_the_extras(folders, tmp_path, tiny_dir):
+    """wscompress installed without its extras (no scipy, datasets, lm-eval, peft, matplotlib,
+    rouge-score, gguf): folders load through wscompress.load and AutoModelForCausalLM with the
+    saved logits, and a recipe that compresses is refused with the extra that installs what it
+    needs, before any work."""
+    import site
+
+    import yaml
+
+    bare = tmp_path / "site-packages"  # the environment's packages, the extras left out
+    bare.mkdir()
+    for root in site.getsitepackages():
+        for entry in os.scandir(root):
+            if not entry.name.lower().replace("-", "_").startswith(EXTRAS) and not (bare / entry.name).exists():
+                (bare / entry.name).symlink_to(entry.path)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({"model": {"path": str(tiny_dir("llama"))}, "output": {"dir": str(tmp_path / "out")},
+                                      "compress": [{"method": "svd", "ratio": 0.3}], "calibration": {"dataset": "pydoc"}}))
+    save_file({"ids": INPUT}, tmp_path / "ids.safetensors")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    # WSCOMPRESS_KERNELS=0: the kernels' build names torch's headers by path, here this folder's, so
+    # they would be built again (a minute), and again for the suite after; they load alike (test_kernels)
+    env.update(PYTHONPATH=f"{REPO}{os.pathsep}{bare}", HF_MODULES_CACHE=str(tmp_path / "hf_modules"), HF_HUB_OFFLINE="1",
+               WSCOMPRESS_KERNELS="0")
+    forms = {n: folders[n] for n in ("low_rank", "shared_bases", "palettized_row_scales", "soft_share_deltas",
+                                     "gpt2_low_rank_palettized")}  # one of each kind of layer: the rest load alike
+    done = subprocess.run([sys.executable, "-S", "-c", WITHOUT_EXTRAS, json.dumps({n: str(f) for n, (f, _) in forms.items()}),
+                           str(tmp_path / "ids.safetensors"), str(tmp_path / "logits.safetensors"), json.dumps(EXTRAS),
+                           str(recipe)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    logits = load_file(tmp_path / "logits.safetensors")
+    for name, (_, saved) in forms.items():
+        for way in ("load", "auto"):
+            torch.testing.assert_close(logits[f"{name}/{way}"], saved, rtol=1e-5, atol=1e-5)
+    assert "@check exit 2" in done.stdout
+    assert "calibration and compression needs scipy" in done.stderr and "pip install 'wscompress[compress]'" in done.stderr
+    assert not (tmp_path / "out").exists()

@@ -14,7 +14,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from .errors import UsageError
+from .errors import UsageError, need
 from .evaluation import bench, report
 from .io import data, distributed, storage, ui
 from .io.checkpoints import load_model, model_structure
@@ -37,6 +37,8 @@ def preflight(recipe: Recipe, sections: set[Section]) -> None:
         if p.exists() and not p.is_dir():
             raise UsageError(f"output.dir: {p} is a file, not a folder", f"choose another output folder than {out} (-o DIR)")
     finetune = recipe.finetune if "finetune" in sections and recipe.finetune is not None and recipe.finetune.enabled else None
+    if "calibration" in sections or "compress" in sections and recipe.compress:
+        need("scipy", "compress", "calibration and compression")
     if "calibration" in sections:
         data.check_source(recipe.calibration.dataset, "calibration.dataset")
     if finetune is not None:
@@ -80,6 +82,8 @@ def check_finetune(recipe: Recipe) -> None:
         raise UsageError(f"finetune trains the whole model at once; model.offload: {recipe.model.offload} keeps its "
                          "layers elsewhere", "set model.offload: none (a model too large for one device: accelerate "
                          "launch with an FSDP config, see docs/scale.md)")
+    if cfg.mode == "lora":
+        need("peft", "finetune", "finetune.mode: lora")
     if cfg.mode == "dkm":
         from .recovery.dkm import kmeans_stage
 

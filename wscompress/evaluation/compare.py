@@ -13,7 +13,7 @@ import csv
 import json
 from pathlib import Path
 
-from ..errors import UsageError
+from ..errors import UsageError, need
 from ..io.ui import markdown_table
 
 
@@ -100,6 +100,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def compare(paths: list[Path], out: Path) -> dict:
     """Write comparison.csv, comparison.md and comparison.png into ``out``; returns the rows and files."""
+    need("matplotlib", "plot", "wscompress report (its plot)")
     rows = sorted((run_row(r) for r in run_dirs(paths)), key=lambda r: (r["method"], r["size_reduction"]))
     out.mkdir(parents=True, exist_ok=True)
     columns = list(dict.fromkeys(k for r in rows for k in r))

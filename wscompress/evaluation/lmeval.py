@@ -19,7 +19,7 @@ from typing import Any
 
 from torch import nn
 
-from ..errors import UsageError
+from ..errors import UsageError, need
 from ..io import distributed
 from ..io.offload import model_device, offload_of
 
@@ -74,6 +74,7 @@ def local_task(path: Path, task_data: dict[str, str]) -> dict:
 
 def task_specs(tasks: list[str], task_data: dict[str, str]) -> tuple[list[str | dict], list[Path]]:
     """(specs for lm-eval: names or config dicts, folders to index for includes/groups)."""
+    need("lm_eval", "eval", "eval.tasks (lm-eval)")
     shipped = shipped_tasks()
     specs: list[str | dict] = []
     folders = [TASKS_DIR]

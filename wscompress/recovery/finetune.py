@@ -31,7 +31,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from ..errors import UsageError
+from ..errors import UsageError, need
 from ..evaluation.perplexity import evaluate_text
 from ..io import data, distributed, storage, ui
 from ..io.files import save_tensors
@@ -114,7 +114,8 @@ def prepare(model: nn.Module, cfg: FinetuneConfig) -> tuple[nn.Module, list[nn.P
                              "use mode: full or lora, or compress the model first")
         params = method_parameters(model, cfg.norms)
     elif cfg.mode == "lora":
-        from peft import LoraConfig, get_peft_model
+        peft = need("peft", "finetune", "finetune.mode: lora")
+        LoraConfig, get_peft_model = peft.LoraConfig, peft.get_peft_model
 
         targets = lora_target_names(model, cfg.lora.targets)
         model = get_peft_model(model, LoraConfig(r=cfg.lora.rank, lora_alpha=cfg.lora.alpha, target_modules=targets))
