@@ -24,7 +24,7 @@ print(next(int(line.split()[1]) for line in open("/proc/self/status") if line.st
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
 def test_large_frees_go_back_to_the_system():
     """Tensors freed below a live one stay resident on glibc's heap; with return_large_frees
-    (what ``import wscompress`` sets up when it loads torch) they are unmapped."""
+    (what the ``wscompress`` command sets up, ``setup_process``) they are unmapped."""
     rss = {mode: int(subprocess.run([sys.executable, "-c", CHILD, mode], capture_output=True, text=True,
                                     check=True).stdout) for mode in ("off", "on")}
     assert rss["on"] < rss["off"] - 200, rss
@@ -33,7 +33,8 @@ def test_large_frees_go_back_to_the_system():
 HUGE = """
 import sys
 if sys.argv[1] == "on":
-    import wscompress  # sets the process up before it loads torch
+    sys.argv[0] = "/usr/local/bin/wscompress"  # the command's console script
+import wscompress
 import torch
 t = torch.ones(16 << 20)  # 64 MB
 address, flags = t.data_ptr(), None
@@ -51,7 +52,7 @@ print("hg" in flags)
 @pytest.mark.skipif(not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"),
                     reason="a kernel with transparent huge pages")
 def test_large_tensors_are_advised_onto_huge_pages():
-    """What the CLI sets up before torch loads makes torch madvise(MADV_HUGEPAGE) its large
+    """What the command's process is set up with makes torch madvise(MADV_HUGEPAGE) its large
     tensors (VmFlags ``hg``); torch's own default does not."""
     env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
     advised = {mode: subprocess.run([sys.executable, "-c", HUGE, mode], capture_output=True, text=True,
@@ -62,7 +63,8 @@ def test_large_tensors_are_advised_onto_huge_pages():
 SPIN = """
 import sys, time
 if sys.argv[1] == "on":
-    import wscompress  # sets the process up before it loads anything of its own
+    sys.argv[0] = "/usr/local/bin/wscompress"  # the command's console script
+import wscompress  # loads transformers, which loads scipy's OpenBLAS
 import numpy as np
 from scipy.linalg.blas import ssyrk
 x = np.random.default_rng(0).standard_normal((500, 4000), dtype=np.float32)
@@ -76,7 +78,7 @@ print(time.process_time() - start)
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="OpenBLAS runs threads only on several cores")
 def test_blas_threads_sleep_once_a_call_ends():
-    """What ``import wscompress`` sets up first (before torch, transformers and scipy load) makes
+    """What the command's process is set up with (before transformers loads scipy) makes
     OpenBLAS's threads sleep when a call ends; by default they spin ~0.1 s on the cores torch's
     next layer needs."""
     env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_THREAD_TIMEOUT", "OPENBLAS_NUM_THREADS",
@@ -98,3 +100,32 @@ def test_file_backed_tells_a_mapped_checkpoint_from_process_memory(tmp_path):
     with safe_open(tmp_path / "w.safetensors", "pt") as f:  # safetensors maps the file
         assert file_backed(f.get_tensor("w"))
     assert not file_backed(torch.ones(4096))
+
+
+# what importing wscompress changes in the process's environment, in a program (torch imported
+# first or not) and in the command's console script
+IMPORT = """
+import json, os, sys
+if sys.argv[1] == "torch first":
+    import torch
+if sys.argv[1] == "command":
+    sys.argv[0] = "/usr/local/bin/wscompress"
+before = dict(os.environ)
+import wscompress
+print(json.dumps(sorted(k for k in set(before) | set(os.environ) if before.get(k) != os.environ.get(k))))
+"""
+
+
+def _child(arg: str) -> str:
+    env = {k: v for k, v in os.environ.items() if k not in ("THP_MEM_ALLOC_ENABLE", "OPENBLAS_THREAD_TIMEOUT")}
+    done = subprocess.run([sys.executable, "-c", IMPORT, arg], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.strip().splitlines()[-1]
+
+
+def test_importing_wscompress_changes_nothing_process_wide():
+    """A program's import leaves the environment (read by torch, OpenBLAS, glibc) as it was,
+    whatever it imported before; only the command's own process is set up."""
+    assert _child("torch first") == "[]"
+    assert _child("wscompress first") == "[]"
+    assert _child("command") == '["OPENBLAS_THREAD_TIMEOUT", "THP_MEM_ALLOC_ENABLE"]'

@@ -1,19 +1,23 @@
 """wscompress: make HuggingFace language models smaller by weight sharing and weight clustering.
 
 Importing it lets ``transformers.AutoModelForCausalLM.from_pretrained`` load the folders it
-writes, with its compiled kernels as the compressed layers' fast paths.
+writes, with its compiled kernels as the compressed layers' fast paths. A program that imports
+it keeps its process as it was (allocator settings, environment); the ``wscompress`` command's
+own process is set up for its runs (``io.memory.setup_process``, which a program may call too).
 """
 
 __version__ = "0.1.0"
 
+import os as _os  # noqa: E402
 import sys as _sys  # noqa: E402
 
 from .io import memory as _memory  # noqa: E402
 
-if "torch" not in _sys.modules:  # wscompress loads torch (its CLI, a script of its own): set the process up for it
-    _memory.return_large_frees()
-    _memory.tensors_on_huge_pages()
-    _memory.idle_blas_threads()
+# The command's process (its console script: nothing loaded before this package) is set up here,
+# before torch and transformers load: they, and the BLAS transformers' import loads, read the
+# settings when they load, so the command's entry point would be too late.
+if _os.path.basename(getattr(_sys, "argv", [""])[0]) == "wscompress":
+    _memory.setup_process()
 
 from . import kernels  # noqa: E402,F401  (registers the kernels with the compressed layers)
 from .model.modeling_wscompress import register as _register  # noqa: E402

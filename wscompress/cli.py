@@ -173,7 +173,7 @@ def check(recipe: Path = RecipeArg, set: Optional[List[str]] = SetOpt, quiet: bo
 
 
 def main() -> None:
-    app()  # the process was set up for wscompress's runs when the package loaded (wscompress/__init__.py)
+    app()  # the process was set up before torch loaded (wscompress/__init__.py: the command's own process only)
 
 
 if __name__ == "__main__":

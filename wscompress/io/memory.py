@@ -1,6 +1,7 @@
 """Handing memory back to the operating system: mapped checkpoint pages once read, and freed
-large allocations, on huge pages; and idle BLAS threads that give their cores back (all
-torch-free, so the CLI can set it up before anything loads)."""
+large allocations, on huge pages; and idle BLAS threads that give their cores back.
+``setup_process`` does the last three for the ``wscompress`` command's process (a library import
+changes nothing process-wide)."""
 
 from __future__ import annotations
 
@@ -57,7 +58,7 @@ def return_large_frees(threshold: int = 4 << 20) -> None:
 
 def tensors_on_huge_pages() -> None:
     """Have torch back CPU tensors of 2 MB or more with transparent huge pages (torch's
-    ``THP_MEM_ALLOC_ENABLE``, read at its first allocation, so call this before torch loads).
+    ``THP_MEM_ALLOC_ENABLE``, read at its first CPU allocation, so call this before any tensor is made).
     Every large tensor is a fresh mapping (see :func:`return_large_frees`) whose pages fault in
     on first touch: 4 KB pages cost a 135M model's calibration 43 M faults and 80 s of system
     time, 2 MB pages a seventh of the faults (calibrate 248 -> 232 s, compress 377 -> 332 s,
@@ -75,3 +76,14 @@ def idle_blas_threads() -> None:
     ``scripts/bench_blas_threads.py``).
     Read when OpenBLAS loads, so call this before scipy does. The user's own setting wins."""
     os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
+
+
+def setup_process() -> None:
+    """Set a process that runs wscompress's steps up for them: large frees returned, tensors on
+    huge pages, BLAS threads that sleep. The ``wscompress`` command's process does it as the
+    package loads; a program's ``import wscompress`` does not, so importing never changes a
+    program's process. A program of one's own calls it before importing transformers (whose
+    import loads scipy's BLAS, which reads its setting then) and before making a tensor."""
+    return_large_frees()
+    tensors_on_huge_pages()
+    idle_blas_threads()
