@@ -236,6 +236,11 @@ def test_run_writes_a_model_card_with_the_measured_figures(tmp_path, tiny_dir):
     compress = json.loads((tmp_path / "out" / "reports" / "compress.json").read_text())
     evaluation = json.loads((tmp_path / "out" / "reports" / "eval.json").read_text())
     assert f"| compressed | {compress['compressed']['params']} |" in body  # size before and after
+    import transformers
+
+    import wscompress  # which versions wrote it, and how to get wscompress (no index page that does not exist)
+    assert f"by wscompress {wscompress.__version__} (with transformers {transformers.__version__})" in body
+    assert "http" not in body and "pip install <clone>" in body
     assert '"ratio": 0.3' in body and '"allocation": "uniform"' in body  # every option of the stage
     compressed_ppl = next(r["ppl"] for r in evaluation["results"] if r["model"] == "compressed")
     assert f"| {compressed_ppl:.4g} |" in body and "## Speed" in body and "decode tok/s b1 s8" in body

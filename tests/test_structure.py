@@ -1,5 +1,6 @@
-"""The package's structure: no import circles between its modules, and the README's and
-docs/architecture.md's drawings of the tree name every folder it has."""
+"""The package's structure: no import circles between its modules, packages that import only
+downward (in the order docs/architecture.md gives), and the README's and docs/architecture.md's
+drawings of the tree name every folder it has."""
 
 from __future__ import annotations
 
@@ -82,6 +83,32 @@ def test_no_import_circles():
     edges = graph()
     assert len(edges) > 40 and edges["wscompress.workflow"]  # the graph was read
     assert circles(edges) == []
+
+
+# The floors of the package, bottom up: a module imports from its own floor or one below.
+# recipe/ has two: schema.py (the sections every part reads) low, load.py (which validates each
+# stage with its method's config class, from the methods' registry) above the methods.
+FLOORS = ["errors", "model", "recipe.schema", "io", "kernels", "maths", "pipeline", "methods", "evaluation",
+          "recovery", "recipe", "workflow", "cli", ""]
+
+
+def floor(module: str) -> int:
+    """The floor of a module: that of the longest name in FLOORS it lies in."""
+    name = module.removeprefix("wscompress").removeprefix(".")
+    return max((len(f), i) for i, f in enumerate(FLOORS) if name == f or f and name.startswith(f + "."))[1]
+
+
+def test_packages_import_downward():
+    upward = sorted(f"{a} -> {b}" for a, deps in graph().items() for b in deps if floor(b) > floor(a))
+    assert upward == []
+    assert floor("wscompress.recipe.schema") < floor("wscompress.io.checkpoints") < floor("wscompress.recipe.load")
+    assert floor("wscompress") == len(FLOORS) - 1 and floor("wscompress.model.arch") == 1
+
+
+def test_architecture_names_the_floors_in_order():
+    text = (REPO / "docs" / "architecture.md").read_text()
+    drawn = " → ".join(f"`{f.replace('.', '/') + ('.py' if f == 'recipe.schema' else '')}`" for f in FLOORS[:-1])
+    assert drawn.replace("`recipe`", "`recipe/load.py`") in text
 
 
 def test_circle_finder_finds_one():

@@ -107,11 +107,15 @@ def model_card(out_dir: str | Path) -> str | None:
     base = builtin.origin if builtin else source
     hub_id = base.count("/") == 1 and not Path(base).expanduser().exists()
     methods = list(dict.fromkeys(stage["method"] for stage in compress["stages"]))
+    written = json.loads((folder / "config.json").read_text())
     meta = ([f"base_model: {base}"] if hub_id else []) + ["library_name: transformers", "pipeline_tag: text-generation",
                                                           "tags:", "- wscompress", *(f"- {m}" for m in methods)]
     lines = ["---", *meta, "---", "", f"# {recipe.get('name') or folder.name}: {base}, compressed by wscompress", "",
              f"`{base}`{' (de-quantized from its Q4_1 GGUF)' if builtin else ''} compressed with "
-             f"{', then '.join(f'`{m}`' for m in methods)} by [wscompress](https://pypi.org/project/wscompress/).", "",
+             f"{', then '.join(f'`{m}`' for m in methods)} by wscompress {written.get('wscompress_version', '')} "
+             f"(with transformers {written.get('transformers_version', '')}). wscompress is not on a package index: "
+             "install it from its source tree (`pip install <clone>`; `pip install \"<clone>[all]\"` for the whole "
+             "toolkit). The folder loads without it too (below).", "",
              "## Use it", "", "```python", "import wscompress  # registers the compressed layers (and its kernels) with transformers",
              "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
              'model = AutoModelForCausalLM.from_pretrained("PATH")  # PATH: this folder or its hub id',

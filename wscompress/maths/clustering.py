@@ -22,11 +22,11 @@ becomes a centroid (zero error) and the unused codebook entries repeat used ones
 from __future__ import annotations
 
 import math
-from typing import Literal
 
 import torch
 
-Init = Literal["kmeans++", "linear", "density"]
+from ..recipe.schema import Init
+
 CHUNK_ELEMENTS = 1 << 22  # distance-matrix entries computed at once by vector clustering
 SHIFT = 13  # float32 histogram: drop 13 low mantissa bits -> 2^19 bins as fine as float16's
 

@@ -32,13 +32,13 @@ from ..errors import UsageError
 from ..io import ui
 from ..io.data import first_samples
 from ..io.offload import offload_of
-from ..maths.clustering import Init, assign, cluster
+from ..maths.clustering import assign, cluster
 from ..maths.linalg import solve_coefficients
 from ..model.arch import LINEAR_TYPES, Conv1D, dims_of, discover, distinct, match_modules, replace_everywhere, weight_of
 from ..model.modeling_wscompress import CodebookDtype, PalettizedEmbedding, PalettizedLinear, entropy
 from ..pipeline.refit import Sums, fit_pass
 from ..pipeline.stats import SharedGrams
-from ..recipe.schema import LayerRefit, TargetedStage
+from ..recipe.schema import Init, LayerRefit, TargetedStage
 from . import register
 
 

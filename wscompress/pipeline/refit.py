@@ -1,4 +1,4 @@
-"""The one refit pass every method uses: once a layer's modules are compressed (factorised,
+"""The refit pass of every method that refits modules: once a layer's modules are compressed (factorised,
 palettized, shared, merged), each is re-solved on the inputs the compressed model itself feeds
 it, so the errors of earlier modules are absorbed instead of compounded (SVD-LLM's update step,
 GPTQ's sequential mode, the refit of shared and merged weights).
@@ -10,6 +10,8 @@ before it. A stage's fit (``Fit``) sums what it needs over the calibration batch
 solves: ``WeightFit`` for a whole weight (a shared, merged or delta-coded linear; the solution
 may be summed over the layers that share it), ``_Normals`` for low-rank coefficients, and
 k-means palettizes on the same sums. The options (``recipe.schema.Refit``) are named once.
+(``merge_drop`` refits a window of whole layers, not a module: it uses ``LeastSquares`` on its
+own walk of ``layerwise``.)
 
 For a module with original weight W, inputs X' in the compressed model and reference inputs X,
 with G = X'ᵀX' and H = XᵀX' (float64), a whole weight is

@@ -10,10 +10,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, model_validator
 
-from ..maths.clustering import Init
 from ..model.modeling_wscompress import CodebookDtype
 
 DEFAULT_MODEL = "builtin:smollm2-135m-instruct"
+Init = Literal["kmeans++", "linear", "density"]  # how k-means places its first centroids (maths.clustering)
 
 
 class Strict(BaseModel):
