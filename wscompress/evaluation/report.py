@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import time
 from importlib.metadata import version
 from pathlib import Path
@@ -47,6 +48,24 @@ def to_markdown(title: str, payload: dict) -> str:
     return "\n".join(parts[:2] + scalars + [""] + parts[2:])
 
 
+def bits_picture(stage: dict) -> str:
+    """A budgeted stage's choice as a picture: decoder layer x projection, the bits a weight
+    each matrix got (matrices outside the layers on rows of their own); empty for other stages."""
+    if "budget" not in stage:
+        return ""
+    grid: dict[str, dict[str, str]] = {}
+    for row in stage.get("per_layer", []):
+        where = re.search(r"\.(\d+)\.(?:.*\.)?([^.]+)$", row["layer"])
+        layer, part = (where.group(1), where.group(2)) if where else (row["layer"], "matrix")
+        grid.setdefault(layer, {})[part] = f"{row['bits_per_weight']:.2f}"
+    budget = stage["budget"]
+    return "\n".join([f"## Bits a weight each matrix got (stage {stage['stage']})", "",
+                      f"Budget {budget['bytes']} bytes; used {budget['used_bytes']} "
+                      f"({budget['bits_per_weight']:.3f} bits a weight), each matrix's layout chosen from "
+                      f"{len(budget['menu'])} (`budget` in reports/compress.json).", "",
+                      markdown_table([{"layer": k, **v} for k, v in grid.items()]), ""])
+
+
 def peak_memory_mb(device: torch.device | None = None) -> float:
     """Peak CUDA allocation on a CUDA ``device`` (default: when CUDA is available), else this
     process's peak resident memory, in MiB. On Linux from VmHWM: ``ru_maxrss`` survives fork and
@@ -75,7 +94,8 @@ def write(out_dir: str | Path, name: str, payload: dict, recipe: dict | None = N
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(full, indent=1, default=str))
     tmp.replace(path)
-    (reports / f"{name}.md").write_text(to_markdown(name, full))
+    pictures = [bits_picture(stage) for stage in payload.get("stages", []) if isinstance(stage, dict)]
+    (reports / f"{name}.md").write_text("\n".join([to_markdown(name, full), *filter(None, pictures)]))
     return path
 
 
@@ -133,6 +153,7 @@ def model_card(out_dir: str | Path) -> str | None:
                                                 "after": s["params_after"], "seconds": s["seconds"]} for s in compress["stages"]]), "",
              "Every option of each stage (the recipe as run):", "", "```json",
              json.dumps(recipe["compress"], indent=1), "```", ""]
+    lines += [picture for stage in compress["stages"] if (picture := bits_picture(stage))]
     if "finetune" in reports:
         ft = reports["finetune"]
         lines += ["## Recovery fine-tuning", "", f"Mode `{ft['mode']}`, {ft['steps']} steps ({ft['seconds']} s) on "

@@ -13,6 +13,14 @@ compressed model itself produces, each module for the weight that best reproduce
 layer there (``_Palettize``), instead of on the original model's statistics. With
 ``sensitivity: none``, ``error_feedback: false`` and ``refit: false`` it needs no calibration
 data at all (the fast path). The k-means algorithms themselves are in ``wscompress/clustering.py``.
+
+With a ``budget`` (bits a weight, or bytes, over the targets) each matrix gets its own layout
+from a ``menu`` (default ``MENU``: the shipped 2-, 3- and 4-bit layouts and the index widths
+between them): every matrix is palettized with every layout on the calibration statistics,
+each result's exact bytes and its estimated cost to the model (½ · output sensitivity ·
+tr(ΔW·G·ΔWᵀ), the loss its output error adds to first order, as the low-rank allocation weighs
+spectra) measured, the least-cost choice within the budget solved exactly
+(``maths.knapsack``), then the chosen layouts applied as a uniform stage would be.
 """
 
 from __future__ import annotations
@@ -32,14 +40,25 @@ from ..errors import UsageError
 from ..io import ui
 from ..io.data import first_samples
 from ..io.offload import offload_of
+from ..maths import knapsack
 from ..maths.clustering import assign, cluster
 from ..maths.linalg import solve_coefficients
 from ..model.arch import LINEAR_TYPES, Conv1D, dims_of, discover, distinct, match_modules, replace_everywhere, weight_of
-from ..model.modeling_wscompress import CodebookDtype, PalettizedEmbedding, PalettizedLinear, entropy
+from ..model.modeling_wscompress import CodebookDtype, PalettizedEmbedding, PalettizedLinear, entropy, packed_nbytes
 from ..pipeline.refit import Sums, fit_pass
 from ..pipeline.stats import SharedGrams
-from ..recipe.schema import Init, LayerRefit, TargetedStage
+from ..recipe.schema import Budget, Init, LayerRefit, TargetedStage
 from . import register
+
+
+# what a layout is made of (the rest of the options mean the same for every layout)
+LAYOUT_KEYS = ("bits", "cluster_dim", "granularity", "group_size", "row_scale", "outliers")
+# the budget's default menu: 2-d vectors a codebook per 64 channels with 5-8-bit indices (2.5-4
+# bits a weight; the 3- and 4-bit recipes' layouts at 6 and 8) and the 2-bit recipe's 4-d
+# vectors, row scales on all; kept-aside weights as in the recipe nearest in bits
+MENU = [{"bits": 8, "cluster_dim": 4, "granularity": "per_tensor", "row_scale": True, "outliers": 0.005},
+        *({"bits": bits, "cluster_dim": 2, "granularity": "grouped", "group_size": 64, "row_scale": True,
+           "outliers": aside} for bits, aside in ((5, 0.0035), (6, 0.0035), (7, 0.0007), (8, 0.0007)))]
 
 
 class KMeansConfig(TargetedStage, LayerRefit):
@@ -67,25 +86,60 @@ class KMeansConfig(TargetedStage, LayerRefit):
                             "different magnitudes (GPTVQ); 16 bits per output channel")
     codebook_dtype: CodebookDtype = Field("float16", description="dtype the codebooks, scales and outliers are stored in")
     seed: int = 0
+    budget: Budget | None = Field(None, description="a size the targets must fit: each matrix gets the layout of "
+                                  "`menu` that costs the model least within it (the layout options above are ignored)")
+    menu: list[dict] | None = Field(None, description=f"layouts a budget chooses from, each a mapping of "
+                                    f"{', '.join(LAYOUT_KEYS)} (default: the MENU of methods/kmeans.py)")
+    sensitivity_samples: int = Field(16, gt=0, description="budget: calibration sequences for the output "
+                                     "sensitivities that weigh each matrix's error")
 
     @property
     def needs_statistics(self) -> bool:
-        return self.sensitivity != "none" or self.error_feedback or self.refit
+        return self.sensitivity != "none" or self.error_feedback or self.refit or self.budget is not None
 
     def check(self, model: nn.Module) -> None:
-        """Every target pattern names a linear, and the options tile each one."""
-        for name, module in target_layers(model, self).items():
-            check_layer(name, *reversed(dims_of(module)), self)
-            if tied_to_embeddings(model, module) is not None and self.bits != 8 and dims_of(module)[0] // self.cluster_dim % 8:
-                raise UsageError(f"{name} is tied to the input embeddings, whose lookups decode whole rows: a row's "
-                                 f"{dims_of(module)[0] // self.cluster_dim} indices of {self.bits} bits do not fill whole "
-                                 "bytes", "use bits: 8, a cluster_dim leaving a multiple of 8 indices a row, or ignore it")
+        """Every target pattern names a linear, the options tile each one (under a budget: some
+        layout of the menu does), and a budget lies between the menu's smallest choices and the
+        dense weights."""
+        layers = target_layers(model, self)
+        layouts = self.layouts() if self.budget is not None else [self]
+        for name, module in layers.items():
+            problems = [misfit(model, name, module, cfg) for cfg in layouts]
+            if all(problems):
+                raise problems[0]
+        if self.budget is not None:
+            weights = sum(weight_of(m).numel() for m in layers.values())
+            budget = self.budget.bytes_for(weights)
+            least = sum(min(layout_bytes(*reversed(dims_of(m)), cfg) for cfg in layouts if not misfit(model, n, m, cfg))
+                        for n, m in layers.items())
+            dense = sum(weight_of(m).numel() * weight_of(m).element_size() for m in layers.values())
+            if budget < least:
+                raise UsageError(f"kmeans budget: {budget} bytes ({8 * budget / weights:.3f} bits a weight) is below the "
+                                 f"menu's smallest layouts, {least} bytes ({8 * least / weights:.3f} bits a weight)",
+                                 "raise the budget or add a smaller layout to menu")
+            if budget >= dense:
+                raise UsageError(f"kmeans budget: {budget} bytes is no smaller than the dense targets' {dense} bytes",
+                                 "lower the budget (bits_per_weight below the weights' own bits)")
 
     @model_validator(mode="after")
     def _group_size(self) -> KMeansConfig:
         if (self.granularity == "grouped") != (self.group_size is not None):
             raise ValueError("group_size is required with granularity: grouped and only allowed with it")
+        if self.menu is not None and self.budget is None:
+            raise ValueError("menu is the choice of a budget: give budget too")
+        if self.budget is not None:
+            if self.entropy_coding:
+                raise ValueError("a budget counts bytes before they are coded: use entropy_coding: false with it")
+            for layout in self.menu or []:
+                if not isinstance(layout, dict) or not layout or set(layout) - set(LAYOUT_KEYS):
+                    raise ValueError(f"menu entry {layout!r}: a mapping of {', '.join(LAYOUT_KEYS)}")
+            self.layouts()  # each entry checked as a layout
         return self
+
+    def layouts(self) -> list[KMeansConfig]:
+        """The menu's layouts, each as this stage with that layout (and no budget)."""
+        base = self.model_dump(exclude={"budget", "menu"}) | {"group_size": None}
+        return [KMeansConfig.model_validate(base | layout) for layout in (self.menu or MENU)]
 
 
 # ----------------------------------------------------------------------------- the stage
@@ -112,6 +166,28 @@ def check_layer(name: str, out_features: int, in_features: int, cfg) -> None:
     if out_features % gs:
         raise UsageError(f"{name}: group_size={gs} does not divide its {out_features} output channels",
                          f"use a group_size dividing {out_features} (e.g. {_divisors(out_features)}) or ignore this layer")
+
+
+def misfit(model: nn.Module, name: str, module: nn.Module, cfg: KMeansConfig) -> UsageError | None:
+    """Why ``cfg``'s layout cannot palettize this target, or None."""
+    try:
+        check_layer(name, *reversed(dims_of(module)), cfg)
+    except UsageError as err:
+        return err
+    if tied_to_embeddings(model, module) is not None and cfg.bits != 8 and dims_of(module)[0] // cfg.cluster_dim % 8:
+        return UsageError(f"{name} is tied to the input embeddings, whose lookups decode whole rows: a row's "
+                          f"{dims_of(module)[0] // cfg.cluster_dim} indices of {cfg.bits} bits do not fill whole bytes",
+                          "use bits: 8, a cluster_dim leaving a multiple of 8 indices a row, or ignore it")
+    return None
+
+
+def layout_bytes(out_features: int, in_features: int, cfg: KMeansConfig) -> int:
+    """Bytes a palettized (out, in) weight takes with ``cfg``'s layout, as saved
+    (``PalettizedLinear.storage_bits``; without entropy coding)."""
+    d, aside = cfg.cluster_dim, round(cfg.outliers * out_features * in_features)
+    values = out_features // group_size_of(cfg, out_features) * 2 ** cfg.bits * d + aside + cfg.row_scale * out_features
+    return packed_nbytes(out_features * in_features // d, cfg.bits) + values * getattr(torch, cfg.codebook_dtype).itemsize \
+        + 4 * aside
 
 
 def target_layers(model: nn.Module, cfg: TargetedStage) -> dict[str, nn.Module]:
@@ -184,8 +260,9 @@ def palettize(module: nn.Module, cfg: KMeansConfig, gram: torch.Tensor | None = 
                                           isinstance(module, Conv1D), cfg.codebook_dtype, outliers, scale)
 
 
-def summarize(rows: list[dict], bits: int) -> dict:
-    """Totals over layers: weighted bits per weight, error, ratios, entropy."""
+def summarize(rows: list[dict], bits: int | None) -> dict:
+    """Totals over layers: weighted bits per weight, error, ratios, entropy (``bits``: the
+    index bits of every layer, None where a budget chose them per layer)."""
     n = np.array([math.prod(r["shape"]) for r in rows], dtype=np.float64)
     mean = lambda key: float((np.array([r[key] for r in rows]) * n).sum() / n.sum())
     out = {"layers": len(rows), "weights": int(n.sum()), "bits": bits, "bits_per_weight": mean("bits_per_weight"),
@@ -207,8 +284,8 @@ class _Palettize:
     modules)."""
 
     def __init__(self, modules: dict[str, nn.Module], weights: dict[str, torch.Tensor], same: bool, _dtype: torch.dtype,
-                 cfg: KMeansConfig, rows: list[dict]):
-        self.modules, self.weights, self.cfg, self.rows = modules, weights, cfg, rows
+                 cfg: KMeansConfig, layouts: Mapping[str, KMeansConfig], rows: list[dict]):
+        self.modules, self.weights, self.cfg, self.layouts, self.rows = modules, weights, cfg, layouts, rows
         self.sums = Sums(same)
 
     def add(self, x: torch.Tensor, x_ref: torch.Tensor | None) -> None:
@@ -221,44 +298,87 @@ class _Palettize:
             w = self.weights[name]
             best = w if cross is None else \
                 solve_coefficients(gram, w.double() @ cross.to(w.device), self.cfg.ridge, w).to(w.dtype)
-            new[name] = palettize(module, self.cfg, gram, best)
+            new[name] = palettize(module, self.layouts[name], gram, best)
             self.rows.append(layer_report(name, w, new[name]))
         return new, {}
 
 
+def every_use(model: nn.Module, layers: dict[str, nn.Module]) -> list[str]:
+    """Every name under which the decoder layers reach a target (calibration covers them): a
+    module used by several layers is clustered on all its uses."""
+    chosen, inside = {id(m) for m in layers.values()}, discover(model).layers_path + "."
+    return [n for n, m in model.named_modules(remove_duplicate=False) if n.startswith(inside) and id(m) in chosen]
+
+
+def choose_layouts(model: nn.Module, cfg: KMeansConfig, layers: dict[str, nn.Module],
+                   by_layer: dict[int | None, list[str]], ctx) -> tuple[dict[str, KMeansConfig], dict]:
+    """Under ``cfg.budget``: every target palettized with every layout of the menu that tiles
+    it on the calibration statistics, one layer group at a time; each result's bytes and estimated cost
+    (module docstring); the least total cost within the budget (``knapsack.choose``). Returns
+    name -> its layout, and the report of the choice."""
+    menu, offload, every = cfg.layouts(), offload_of(model), every_use(model, layers)
+    stats = ctx.stats(model, every, cfg.sensitivity_samples) if every else None
+    grams: Mapping[str, torch.Tensor] = SharedGrams(model, every, stats) if every else {}
+    names = [n for group in by_layer.values() for n in group]
+    costs, sizes = np.zeros((len(names), len(menu))), np.zeros((len(names), len(menu)), dtype=np.int64)
+    start, row = time.perf_counter(), 0
+    for i, group in ui.track(list(by_layer.items()), f"kmeans budget: {len(menu)} layouts a matrix"):
+        with offload.onload([] if i is None else [i]):
+            for name in group:
+                w, gram = weight_of(layers[name]).detach(), grams.get(name)
+                sensitivity = stats.sensitivity.get(name, 1.0) if stats is not None else 1.0
+                for j, layout in enumerate(menu):
+                    if misfit(model, name, layers[name], layout):
+                        costs[row, j] = np.inf  # a layout that does not tile this matrix: never chosen
+                        continue
+                    palettized = palettize(layers[name], layout, gram)
+                    delta = (palettized.dense_weight().detach() - w).double()
+                    error = (delta @ gram.to(delta.device).double() * delta).sum() if gram is not None else delta.pow(2).sum()
+                    costs[row, j], sizes[row, j] = 0.5 * sensitivity * error.item(), palettized.storage_bits() // 8
+                row += 1
+    weights = sum(weight_of(layers[n]).numel() for n in names)
+    budget = cfg.budget.bytes_for(weights)
+    picks = knapsack.choose(costs, sizes, budget)
+    used = int(sum(sizes[k, j] for k, j in enumerate(picks)))
+    report = {"bytes": budget, "used_bytes": used, "bits_per_weight": 8 * used / weights,
+              "estimated_cost": float(sum(costs[k, j] for k, j in enumerate(picks))),
+              "menu": [{k: v for k, v in layout.model_dump().items() if k in LAYOUT_KEYS} for layout in menu],
+              "choices": {n: picks[k] for k, n in enumerate(names)}, "measure_seconds": round(time.perf_counter() - start, 2)}
+    return {n: menu[picks[k]] for k, n in enumerate(names)}, report
+
+
 @register(KMeansConfig)
 def apply(model: nn.Module, cfg: KMeansConfig, ctx) -> dict:
-    """Palettize every target linear, one decoder layer at a time; returns totals and one row per layer."""
+    """Palettize every target linear, one decoder layer at a time (under a budget, each with the
+    layout ``choose_layouts`` gave it); returns totals and one row per layer."""
     arch = discover(model)
     offload = offload_of(model)
     layers = target_layers(model, cfg)
     by_layer: dict[int | None, list[str]] = {}
     for name in layers:  # a module shared by several layers: under the first (see target_layers)
         by_layer.setdefault(arch.layer_of(name), []).append(name)
+    layouts, budget = (choose_layouts(model, cfg, layers, by_layer, ctx) if cfg.budget is not None
+                       else ({n: cfg for n in layers}, None))
     grams: Mapping[str, torch.Tensor] = {}
-    inside = arch.layers_path + "."
     start = time.perf_counter()
     rows: list[dict] = []
     if cfg.refit and set(by_layer) - {None}:  # the decoder layers' modules, in one pass over the calibration data
         fit_pass(model, arch, first_samples(ctx.calibration(), cfg.refit_samples), lambda i: {n: layers[n] for n in by_layer.get(i, [])},
-                 lambda *args: _Palettize(*args, cfg=cfg, rows=rows), cfg.refit_target, ctx.dtype(model))
+                 lambda *args: _Palettize(*args, cfg=cfg, layouts=layouts, rows=rows), cfg.refit_target, ctx.dtype(model))
         by_layer = {None: by_layer[None]} if None in by_layer else {}
-    elif cfg.needs_statistics:  # calibration covers the decoder layers: a module used by several, on all its uses
-        chosen = {id(m) for m in layers.values()}
-        every = [n for n, m in model.named_modules(remove_duplicate=False) if n.startswith(inside) and id(m) in chosen]
-        if every:
-            grams = SharedGrams(model, every, ctx.stats(model, every))
+    elif cfg.needs_statistics and (every := every_use(model, layers)):
+        grams = SharedGrams(model, every, ctx.stats(model, every))
     for i, names in ui.track(list(by_layer.items()), f"kmeans {cfg.bits}-bit"):
         with offload.onload([] if i is None else [i]):
             for name in names:
                 module = layers[name]
-                layer = palettize(module, cfg, grams.get(name))
+                layer = palettize(module, layouts[name], grams.get(name))
                 rows.append(layer_report(name, weight_of(module), layer))
                 emb = tied_to_embeddings(model, module)
                 replace_everywhere(model, module, layer)
                 if emb is not None:  # a tied head: the embedding reads the same palettized table, stored once
                     replace_everywhere(model, emb, PalettizedEmbedding.around(layer, emb))
     without = [n for i, names in by_layer.items() for n in names if cfg.needs_statistics and n not in grams]
-    return {**summarize(rows, cfg.bits), "cluster_seconds": round(time.perf_counter() - start, 2),
+    return {**summarize(rows, cfg.bits if budget is None else None), "cluster_seconds": round(time.perf_counter() - start, 2),
             "sensitivity": cfg.sensitivity, "error_feedback": cfg.error_feedback, "outliers": cfg.outliers,
-            "refit": cfg.refit, "without_statistics": without, "per_layer": rows}
+            "refit": cfg.refit, "without_statistics": without, **({"budget": budget} if budget else {}), "per_layer": rows}

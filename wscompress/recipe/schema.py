@@ -119,6 +119,24 @@ class LayerRefit(Refit):
                                  "the original module on its compressed inputs (function) or the original model's (model)")
 
 
+class Budget(Strict):
+    """A size the compressed targets of a stage must fit, everything counted: ``bits_per_weight``
+    (over the targets' weights) or ``bytes`` (e.g. 60MB)."""
+
+    bits_per_weight: float | None = Field(None, gt=0, le=32)
+    bytes: ByteSize | None = Field(None, gt=0)
+
+    @model_validator(mode="after")
+    def _one(self) -> Budget:
+        if (self.bits_per_weight is None) == (self.bytes is None):
+            raise ValueError("give one of bits_per_weight or bytes")
+        return self
+
+    def bytes_for(self, weights: int) -> int:
+        """The budget in bytes for ``weights`` target weights."""
+        return int(self.bytes) if self.bytes is not None else int(self.bits_per_weight * weights // 8)
+
+
 class TargetedStage(StageConfig):
     """A stage that compresses the modules its ``targets`` name (each method has its default)."""
 
