@@ -141,3 +141,26 @@ def test_the_report_and_the_card_picture_each_matrix_bits(tmp_path, tiny_dir):
             header = next(li for li in picture.splitlines() if li.startswith("| layer |"))
             column = [c.strip() for c in header.split("|")].index(part)
             assert [c.strip() for c in line.split("|")][column] == f"{row['bits_per_weight']:.2f}"
+
+
+def test_a_second_budget_reuses_the_measurements(tokenizer, tmp_path, monkeypatch):
+    """The measurements are kept (keyed by the calibration statistics' keys, the stage's options
+    and the menu): another budget on the same model and data solves without measuring again,
+    and a changed option measures anew."""
+    from wscompress.methods import kmeans
+
+    monkeypatch.setattr(kmeans, "cache_dir", lambda: tmp_path)
+    calls = []
+    measure = kmeans.measure
+    monkeypatch.setattr(kmeans, "measure", lambda *args: calls.append(1) or measure(*args))
+
+    def run(bits: float, **options) -> dict:
+        stage = {"method": "kmeans", "budget": {"bits_per_weight": bits}, "menu": MIXED, "outliers": 0, **options}
+        return wscompress.compress(tiny_model("llama"), [stage], tokenizer, CALIBRATION)[0]["budget"]
+
+    first, second = run(3.2), run(3.6)
+    assert len(calls) == 1 and second["measurements"] == first["measurements"]
+    assert first["used_bytes"] <= first["bytes"] < second["bytes"] and second["used_bytes"] <= second["bytes"]
+    assert second["estimated_cost"] <= first["estimated_cost"]  # more bytes never cost more
+    run(3.2, damp=0.05)
+    assert len(calls) == 2

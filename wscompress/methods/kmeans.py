@@ -25,6 +25,8 @@ spectra) measured, the least-cost choice within the budget solved exactly
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import re
 import time
@@ -38,6 +40,7 @@ from torch import nn
 
 from ..errors import UsageError
 from ..io import ui
+from ..io.files import cache_dir
 from ..io.data import first_samples
 from ..io.offload import offload_of
 from ..maths import knapsack
@@ -312,16 +315,49 @@ def every_use(model: nn.Module, layers: dict[str, nn.Module]) -> list[str]:
 
 def choose_layouts(model: nn.Module, cfg: KMeansConfig, layers: dict[str, nn.Module],
                    by_layer: dict[int | None, list[str]], ctx) -> tuple[dict[str, KMeansConfig], dict]:
-    """Under ``cfg.budget``: every target palettized with every layout of the menu that tiles
-    it on the calibration statistics, one layer group at a time; each result's bytes and estimated cost
-    (module docstring); the least total cost within the budget (``knapsack.choose``). Returns
-    name -> its layout, and the report of the choice."""
-    menu, offload, every = cfg.layouts(), offload_of(model), every_use(model, layers)
+    """Under ``cfg.budget``: the least total estimated cost within the budget
+    (``knapsack.choose``) over ``measure``'s table, which is kept (``cache_dir()/budget``, keyed
+    by what keys the calibration statistics, the stage's clustering options and the menu), so a
+    sweep over budgets measures once. Returns name -> its layout, and the report of the choice."""
+    menu, names = cfg.layouts(), [n for group in by_layer.values() for n in group]
+    options = cfg.model_dump(exclude={"budget", "menu", "refit", "refit_target", "refit_samples", "ridge"})
+    key = json.dumps({"statistics": ctx.stats_meta(model), "stage": options, "names": names,
+                      "menu": [layout.model_dump() for layout in menu]}, sort_keys=True, default=str)
+    kept = cache_dir() / "budget" / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.npz"
+    start = time.perf_counter()
+    if kept.is_file():
+        with np.load(kept, allow_pickle=False) as table:
+            costs, sizes = table["costs"], table["sizes"]
+    else:
+        costs, sizes = measure(model, cfg, menu, layers, by_layer, ctx)
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        partial = kept.with_suffix(".tmp.npz")
+        np.savez(partial, costs=costs, sizes=sizes)
+        partial.replace(kept)
+    measured = time.perf_counter() - start
+    weights = sum(weight_of(layers[n]).numel() for n in names)
+    budget = cfg.budget.bytes_for(weights)
+    picks = knapsack.choose(costs, sizes, budget)
+    used = int(sum(sizes[k, j] for k, j in enumerate(picks)))
+    report = {"bytes": budget, "used_bytes": used, "bits_per_weight": 8 * used / weights,
+              "estimated_cost": float(sum(costs[k, j] for k, j in enumerate(picks))),
+              "menu": [{k: v for k, v in layout.model_dump().items() if k in LAYOUT_KEYS} for layout in menu],
+              "choices": {n: picks[k] for k, n in enumerate(names)}, "measurements": str(kept),
+              "measure_seconds": round(measured, 2), "solve_seconds": round(time.perf_counter() - start - measured, 2)}
+    return {n: menu[picks[k]] for k, n in enumerate(names)}, report
+
+
+def measure(model: nn.Module, cfg: KMeansConfig, menu: list[KMeansConfig], layers: dict[str, nn.Module],
+            by_layer: dict[int | None, list[str]], ctx) -> tuple[np.ndarray, np.ndarray]:
+    """(costs, bytes), (matrices, layouts): every target palettized with every layout of the
+    menu that tiles it (the others cost infinity) on the calibration statistics, one layer group
+    at a time; a result's cost is ½ · output sensitivity · tr(ΔW·G·ΔWᵀ) (module docstring)."""
+    offload, every = offload_of(model), every_use(model, layers)
     stats = ctx.stats(model, every, cfg.sensitivity_samples) if every else None
     grams: Mapping[str, torch.Tensor] = SharedGrams(model, every, stats) if every else {}
     names = [n for group in by_layer.values() for n in group]
     costs, sizes = np.zeros((len(names), len(menu))), np.zeros((len(names), len(menu)), dtype=np.int64)
-    start, row = time.perf_counter(), 0
+    row = 0
     for i, group in ui.track(list(by_layer.items()), f"kmeans budget: {len(menu)} layouts a matrix"):
         with offload.onload([] if i is None else [i]):
             for name in group:
@@ -336,15 +372,7 @@ def choose_layouts(model: nn.Module, cfg: KMeansConfig, layers: dict[str, nn.Mod
                     error = (delta @ gram.to(delta.device).double() * delta).sum() if gram is not None else delta.pow(2).sum()
                     costs[row, j], sizes[row, j] = 0.5 * sensitivity * error.item(), palettized.storage_bits() // 8
                 row += 1
-    weights = sum(weight_of(layers[n]).numel() for n in names)
-    budget = cfg.budget.bytes_for(weights)
-    picks = knapsack.choose(costs, sizes, budget)
-    used = int(sum(sizes[k, j] for k, j in enumerate(picks)))
-    report = {"bytes": budget, "used_bytes": used, "bits_per_weight": 8 * used / weights,
-              "estimated_cost": float(sum(costs[k, j] for k, j in enumerate(picks))),
-              "menu": [{k: v for k, v in layout.model_dump().items() if k in LAYOUT_KEYS} for layout in menu],
-              "choices": {n: picks[k] for k, n in enumerate(names)}, "measure_seconds": round(time.perf_counter() - start, 2)}
-    return {n: menu[picks[k]] for k, n in enumerate(names)}, report
+    return costs, sizes
 
 
 @register(KMeansConfig)
