@@ -1,0 +1,77 @@
+"""Perplexity against size: k-means under a size budget (configs/kmeans_budget_3bit.yaml at each
+budget) beside the shipped uniform layouts (configs/kmeans_{2,3,4}bit.yaml), one-shot, on the
+protocol (SmolLM2-135M, 64 x 512 calibration tokens of wiki.train drawn GPTQ-style with seed
+2023, the first 40 windows of 512 tokens of wiki.test and brown).
+
+The calibration statistics are collected once (`wscompress calibrate`) and copied into each
+run; each run is `wscompress run <recipe> --set finetune.enabled=false` into
+outputs/budget/<name>; the budget runs share one measurement (kept by the first, see
+docs/clustering.md). `wscompress report` then merges them (comparison.md, and comparison.png:
+perplexity against size, the budget's curve and the uniform layouts on the same axes).
+
+Usage: python scripts/bench_budget.py [--budgets 2.5 3.0 3.5 4.0] [--uniform 2 3 4] [--out outputs/budget]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BUDGET_RECIPE = REPO / "configs" / "kmeans_budget_3bit.yaml"
+
+
+def wscompress(*args: str) -> None:
+    """The command itself (its console script sets its process up as users' runs are)."""
+    subprocess.run([str(Path(sys.executable).parent / "wscompress"), *args, "-q"], cwd=REPO, check=True)
+
+
+def run(recipe: Path, out: Path, calibration: Path, *sets: str) -> dict:
+    """One one-shot run from the shared calibration; its row of the table."""
+    if not (out / "reports" / "eval.json").is_file():
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir(parents=True)
+        shutil.copytree(calibration, out / "calibration")
+        start = time.perf_counter()
+        wscompress("run", str(recipe), "-o", str(out), "--set", "finetune.enabled=false", *(a for s in sets for a in ("--set", s)))
+        (out / "seconds").write_text(f"{time.perf_counter() - start:.0f}")
+    compress = json.loads((out / "reports" / "compress.json").read_text())
+    evaluation = json.loads((out / "reports" / "eval.json").read_text())
+    stage = compress["stages"][0]
+    ppl = {(r["model"], Path(r["source"]).stem): r["ppl"] for r in evaluation["results"]}
+    texts = sorted({t for _, t in ppl})
+    return {"run": out.name, "bits a weight": round(stage["bits_per_weight"], 3),
+            **{f"ppl {t}": round(ppl["compressed", t], 2) for t in texts},
+            **{f"x dense {t}": round(ppl["compressed", t] / ppl["original", t], 3) for t in texts},
+            "seconds": int((out / "seconds").read_text()),
+            "measure s": stage.get("budget", {}).get("measure_seconds"), "solve s": stage.get("budget", {}).get("solve_seconds")}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--budgets", type=float, nargs="*", default=[2.5, 3.0, 3.5, 4.0])
+    ap.add_argument("--uniform", type=int, nargs="*", default=[2, 3, 4], help="shipped k-means recipes (bits) beside them")
+    ap.add_argument("--out", type=Path, default=REPO / "outputs" / "budget")
+    args = ap.parse_args()
+    calibration = args.out / "calibration"
+    if not (calibration / "calibration").is_dir():
+        wscompress("calibrate", str(BUDGET_RECIPE), "-o", str(calibration))
+    rows = [run(BUDGET_RECIPE, args.out / f"budget-{b}", calibration / "calibration", f"compress.0.budget.bits_per_weight={b}")
+            for b in args.budgets]
+    rows += [run(REPO / "configs" / f"kmeans_{b}bit.yaml", args.out / f"uniform-{b}bit", calibration / "calibration")
+             for b in args.uniform]
+    wscompress("report", *(str(args.out / r["run"]) for r in rows), "--out", str(args.out / "comparison"))
+    columns = list(dict.fromkeys(k for r in rows for k in r))
+    table = "\n".join(["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+                      + ["| " + " | ".join("" if r.get(c) is None else str(r[c]) for c in columns) + " |" for r in rows])
+    (args.out / "results.md").write_text(table + "\n")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""How well the budget's estimated cost ranks what a matrix's compression really costs: for a
+sample of (matrix, layout) pairs, that one matrix is palettized alone (the rest dense) and the
+mean next-token loss measured on text no choice of the method sees (pydoc: neither the
+calibration text nor wiki.test or brown); the Spearman rank correlation of the loss increase
+with the estimate (½ · output sensitivity · tr(ΔW·G·ΔWᵀ), methods/kmeans.py) and, for
+comparison, with the plain weight error ‖ΔW‖² and with the output error without sensitivity.
+
+Usage: python scripts/bench_budget_estimate.py [--pairs 24] [--windows 8] [--calibration DIR]
+(DIR: a `wscompress calibrate` output of configs/kmeans_budget_3bit.yaml, e.g.
+outputs/budget/calibration/calibration, to skip collecting the statistics)
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from wscompress.evaluation.perplexity import evaluate_text
+from wscompress.io.checkpoints import load_model
+from wscompress.methods.kmeans import every_use, misfit, palettize, target_layers
+from wscompress.model.arch import replace_everywhere, weight_of
+from wscompress.pipeline.context import Context
+from wscompress.pipeline.stats import SharedGrams
+from wscompress.recipe.load import load_recipe
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def ranks(x: np.ndarray) -> np.ndarray:
+    return np.argsort(np.argsort(x)).astype(np.float64)
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    return float(np.corrcoef(ranks(np.array(a)), ranks(np.array(b)))[0, 1])
+
+
+@torch.no_grad()
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--pairs", type=int, default=24)
+    ap.add_argument("--windows", type=int, default=8, help="512-token windows of pydoc per loss")
+    ap.add_argument("--calibration", type=Path, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    recipe = load_recipe(REPO / "configs" / "kmeans_budget_3bit.yaml", ["output.dir=outputs/budget-estimate"])
+    stage = recipe.compress[0]
+    model, tokenizer = load_model(recipe.model)
+    ctx = Context(recipe.calibration, tokenizer, saved=args.calibration)
+    layers = target_layers(model, stage)
+    every = every_use(model, layers)
+    stats = ctx.stats(model, every, stage.sensitivity_samples)
+    grams = SharedGrams(model, every, stats)
+
+    def loss() -> float:
+        return math.log(evaluate_text(model, tokenizer, "pydoc", 512, max_windows=args.windows)["ppl"])
+
+    base, rng, rows = loss(), random.Random(args.seed), []
+    for name in rng.sample(sorted(layers), args.pairs):
+        module = layers[name]
+        layout = rng.choice([c for c in stage.layouts() if not misfit(model, name, module, c)])
+        gram, w = grams[name].double(), weight_of(module).detach()
+        palettized = palettize(module, layout, grams[name])
+        delta = (palettized.dense_weight().detach() - w).double()
+        output = (delta @ gram * delta).sum().item()
+        replace_everywhere(model, module, palettized)
+        rows.append({"matrix": name, "bits": layout.bits, "cluster_dim": layout.cluster_dim,
+                     "estimate": 0.5 * stats.sensitivity[name] * output, "output error": output,
+                     "weight error": delta.pow(2).sum().item(), "loss increase": loss() - base})
+        replace_everywhere(model, palettized, module)
+        print(rows[-1], flush=True)
+    true = [r["loss increase"] for r in rows]
+    print(f"\n{args.pairs} pairs, {args.windows} windows of pydoc, dense loss {base:.4f}: Spearman rank correlation "
+          f"with the loss increase: estimate {spearman([r['estimate'] for r in rows], true):.3f}, output error "
+          f"{spearman([r['output error'] for r in rows], true):.3f}, weight error "
+          f"{spearman([r['weight error'] for r in rows], true):.3f}")
+
+
+if __name__ == "__main__":
+    main()
