@@ -23,6 +23,15 @@ from wscompress.recipe.load import load_recipe
 from conftest import tiny_model
 
 CALIBRATION = {"dataset": "pydoc", "num_samples": 8, "seq_len": 64, "batch_size": 4}
+QUICK = {"iterations": 20, "sensitivity_samples": 2, "outliers": 0}  # a tiny model's stage, in seconds
+
+
+@pytest.fixture(autouse=True)
+def own_measurements(tmp_path, monkeypatch):
+    """Each test measures for itself (none reads what an earlier run kept)."""
+    from wscompress.methods import kmeans
+
+    monkeypatch.setattr(kmeans, "cache_dir", lambda: tmp_path / "cache")
 MIXED = [{"bits": 2, "granularity": "per_channel"}, {"bits": 3, "granularity": "per_channel"},
          {"bits": 4, "granularity": "per_channel"}, {"bits": 6, "cluster_dim": 2, "granularity": "grouped", "group_size": 16}]
 
@@ -78,7 +87,7 @@ def test_a_budget_is_met_to_the_byte_in_the_written_folder(tokenizer, tmp_path):
     model = tiny_model("llama")
     weights = sum(m.weight.numel() for n, m in model.named_modules() if isinstance(m, nn.Linear) and ".layers." in n)
     report = wscompress.compress(model, [{"method": "kmeans", "budget": {"bits_per_weight": 3.2}, "menu": MIXED,
-                                          "outliers": 0}], tokenizer, CALIBRATION)[0]
+                                          **QUICK}], tokenizer, CALIBRATION)[0]
     budget = report["budget"]
     assert budget["bytes"] == int(3.2 * weights // 8) and budget["used_bytes"] <= budget["bytes"]
     chosen = {name: MIXED[j] for name, j in budget["choices"].items()}
@@ -127,7 +136,7 @@ def test_the_report_and_the_card_picture_each_matrix_bits(tmp_path, tiny_dir):
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(yaml.safe_dump({
         "model": {"path": str(tiny_dir("llama"))}, "output": {"dir": str(tmp_path / "out")}, "calibration": CALIBRATION,
-        "compress": [{"method": "kmeans", "budget": {"bits_per_weight": 3.2}, "menu": MIXED, "outliers": 0}]}))
+        "compress": [{"method": "kmeans", "budget": {"bits_per_weight": 3.2}, "menu": MIXED, "refit": False, **QUICK}]}))
     done = CliRunner().invoke(app, ["compress", str(recipe), "-q"])
     assert done.exit_code == 0, done.output
     stage = json.loads((tmp_path / "out" / "reports" / "compress.json").read_text())["stages"][0]
@@ -149,13 +158,12 @@ def test_a_second_budget_reuses_the_measurements(tokenizer, tmp_path, monkeypatc
     and a changed option measures anew."""
     from wscompress.methods import kmeans
 
-    monkeypatch.setattr(kmeans, "cache_dir", lambda: tmp_path)
     calls = []
     measure = kmeans.measure
     monkeypatch.setattr(kmeans, "measure", lambda *args: calls.append(1) or measure(*args))
 
     def run(bits: float, **options) -> dict:
-        stage = {"method": "kmeans", "budget": {"bits_per_weight": bits}, "menu": MIXED, "outliers": 0, **options}
+        stage = {"method": "kmeans", "budget": {"bits_per_weight": bits}, "menu": MIXED, "refit": False, **QUICK, **options}
         return wscompress.compress(tiny_model("llama"), [stage], tokenizer, CALIBRATION)[0]["budget"]
 
     first, second = run(3.2), run(3.6)
