@@ -106,15 +106,16 @@ class KMeansConfig(TargetedStage, LayerRefit):
         dense weights."""
         layers = target_layers(model, self)
         layouts = self.layouts() if self.budget is not None else [self]
+        fitting = {}  # name -> the layouts that tile it
         for name, module in layers.items():
             problems = [misfit(model, name, module, cfg) for cfg in layouts]
             if all(problems):
                 raise problems[0]
+            fitting[name] = [cfg for cfg, problem in zip(layouts, problems) if problem is None]
         if self.budget is not None:
             weights = sum(weight_of(m).numel() for m in layers.values())
             budget = self.budget.bytes_for(weights)
-            least = sum(min(layout_bytes(*reversed(dims_of(m)), cfg) for cfg in layouts if not misfit(model, n, m, cfg))
-                        for n, m in layers.items())
+            least = sum(min(layout_bytes(*reversed(dims_of(m)), cfg) for cfg in fitting[n]) for n, m in layers.items())
             dense = sum(weight_of(m).numel() * weight_of(m).element_size() for m in layers.values())
             if budget < least:
                 raise UsageError(f"kmeans budget: {budget} bytes ({8 * budget / weights:.3f} bits a weight) is below the "
