@@ -89,24 +89,36 @@ for _recipe, _label in RECIPES.items():
     MODELS[f"{_recipe} layout + 8-bit tied embedding/head"] = [MODELS[_label][0], HEAD_8BIT]
 
 
-def random_layout(model, stage: dict) -> None:
-    """A kmeans stage's layout (its targets, codebooks, scales and kept-aside weights, the tied
-    table shared by the embedding) with random values, built in seconds instead of clustering:
-    the speed does not depend on the values."""
-    from wscompress.methods.kmeans import KMeansConfig, group_size_of, target_layers, tied_to_embeddings
-    from wscompress.model.arch import replace_everywhere, weight_of
-    from wscompress.model.modeling_wscompress import PalettizedEmbedding, PalettizedLinear
+def random_palettized(out: int, inp: int, stage: dict, gen: torch.Generator):
+    """A PalettizedLinear in a kmeans stage's layout (codebooks, scales, kept-aside weights) with
+    random values, made on ``gen``'s device in seconds instead of clustering: the speed does not
+    depend on the values."""
+    from wscompress.methods.kmeans import KMeansConfig, group_size_of
+    from wscompress.model.modeling_wscompress import PalettizedLinear
 
-    gen = torch.Generator().manual_seed(0)
-    cfg = KMeansConfig(**stage)
-    for module in target_layers(model, cfg).values():
-        out, inp = weight_of(module).shape
-        kept = int(cfg.outliers * out * inp)
-        layer = PalettizedLinear.from_clusters(
-            torch.randn(out // group_size_of(cfg, out), 2**cfg.bits, cfg.cluster_dim, generator=gen) * 0.02,
-            torch.randint(0, 2**cfg.bits, (out, inp // cfg.cluster_dim), generator=gen), None,
-            outliers=(torch.randperm(out * inp, generator=gen)[:kept], torch.randn(kept, generator=gen) * 0.05) if kept else None,
-            scale=torch.rand(out, generator=gen) + 0.5 if cfg.row_scale else None, codebook_dtype=cfg.codebook_dtype)
+    cfg, device = KMeansConfig(**stage), gen.device
+    kept = int(cfg.outliers * out * inp)
+    return PalettizedLinear.from_clusters(
+        torch.randn(out // group_size_of(cfg, out), 2**cfg.bits, cfg.cluster_dim, generator=gen, device=device) * 0.02,
+        torch.randint(0, 2**cfg.bits, (out, inp // cfg.cluster_dim), generator=gen, device=device), None,
+        outliers=(torch.randperm(out * inp, generator=gen, device=device)[:kept],
+                  torch.randn(kept, generator=gen, device=device) * 0.05) if kept else None,
+        scale=torch.rand(out, generator=gen, device=device) + 0.5 if cfg.row_scale else None,
+        codebook_dtype=cfg.codebook_dtype)
+
+
+def random_layout(model, stage: dict) -> None:
+    """A kmeans stage's layout on every target of ``model`` (the tied table shared by the
+    embedding, as the method makes it) with random values (``random_palettized``), in the
+    model's device and dtype."""
+    from wscompress.methods.kmeans import KMeansConfig, target_layers, tied_to_embeddings
+    from wscompress.model.arch import replace_everywhere, weight_of
+    from wscompress.model.modeling_wscompress import PalettizedEmbedding
+
+    gen = torch.Generator(next(model.parameters()).device).manual_seed(0)
+    for module in target_layers(model, KMeansConfig(**stage)).values():
+        w = weight_of(module)
+        layer = random_palettized(*w.shape, stage, gen).to(w.dtype)
         embedding = tied_to_embeddings(model, module)
         replace_everywhere(model, module, layer)
         if embedding is not None:  # the tied table: one module for both, as the method makes it
@@ -161,32 +173,25 @@ def graph_decode_seconds(decoder: StaticDecoder, decode: int) -> float:
 
 
 LAYER_SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008)]  # (out, in) of LLaMA-7B's q/o, gate/up, down
+LAYER_MODELS = ["kmeans 4-bit per channel", "kmeans 3-bit per channel", "kmeans 2-bit per channel",
+                "kmeans 2-bit, 2-d vectors per 64 channels", "kmeans 3-bit, 2-d vectors per 64 channels",
+                "kmeans 2-bit, 4-d vectors per matrix", *RECIPES.values()]
 LAYER_COLS = ["layer (out x in)", "model", "weight MB", "us per call", "x dense", "graph us per call", "graph x dense",
               "bound us", "of bound"]
 
 
 @torch.no_grad()  # not inference mode: the layers cache their kernel layout by tensor version
-def layer_rows(device: torch.device, dtype: torch.dtype, bandwidth: float, graph: bool) -> list[dict]:
-    """One decode-sized product (batch 1) per call on 7B-sized layers: dense vs palettized per
-    channel, microseconds per call (best of 5 runs of ``calls``) and the weight bytes' bound."""
-    from wscompress.model.modeling_wscompress import PalettizedLinear
-
-    gen = torch.Generator().manual_seed(0)
+def layer_rows(device: torch.device, dtype: torch.dtype, bandwidth: float, graph: bool,
+               shapes: list[tuple[int, int]] = LAYER_SHAPES, labels: list[str] = LAYER_MODELS) -> list[dict]:
+    """One decode-sized product (batch 1) per call on each (out, in) of ``shapes``: dense vs the
+    kmeans layouts ``labels`` (of MODELS), microseconds per call (best of 5 runs of ``calls``;
+    with ``graph``, also replayed from a CUDA graph) and the weight bytes' bound."""
+    gen = torch.Generator(device).manual_seed(0)
     calls = 200 if device.type == "cuda" else 5  # a GPU call takes microseconds: time many
     rows = []
-    for out_f, in_f in LAYER_SHAPES:
-        dense = torch.nn.Linear(in_f, out_f, bias=False).to(device, dtype)
-        layers = {"dense": dense}
-        for bits in (4, 3, 2):
-            codebook = torch.randn(out_f, 2**bits, 1, generator=gen)
-            idx = torch.randint(0, 2**bits, (out_f, in_f), generator=gen)
-            layers[f"kmeans {bits}-bit per channel"] = PalettizedLinear.from_clusters(codebook, idx, None).to(device, dtype)
-        for label, d, bits, groups in (("2-bit, 2-d vectors per 64 channels", 2, 4, out_f // 64),
-                                       ("3-bit, 2-d vectors per 64 channels", 2, 6, out_f // 64),
-                                       ("2-bit, 4-d vectors per matrix", 4, 8, 1)):
-            codebook = torch.randn(groups, 2**bits, d, generator=gen)
-            idx = torch.randint(0, 2**bits, (out_f, in_f // d), generator=gen)
-            layers[f"kmeans {label}"] = PalettizedLinear.from_clusters(codebook, idx, None).to(device, dtype)
+    for out_f, in_f in shapes:
+        layers = {"dense": torch.nn.Linear(in_f, out_f, bias=False).to(device, dtype)}
+        layers |= {label: random_palettized(out_f, in_f, MODELS[label][0], gen).to(dtype) for label in labels}
         x = torch.randn(1, in_f, device=device, dtype=dtype)
         for label, layer in layers.items():
             layer(x)  # builds the kernel layout (and compiles / tunes the kernel) before timing
@@ -328,7 +333,7 @@ def main() -> None:
                          + breakdown_markdown(breakdowns[label]))
     layers = []
     if args.layers:
-        layers = layer_rows(device, dtype, bandwidth, graphed)
+        layers = layer_rows(device, dtype, bandwidth, device.type == "cuda" and args.graph)
         parts += [f"One product per call at batch 1 on {where} (random weights; "
                   "bound = weight bytes / copy bandwidth)", markdown(layers, [c for c in LAYER_COLS if c in layers[0]])]
     md = "\n\n".join(parts)

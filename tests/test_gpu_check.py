@@ -1,0 +1,31 @@
+"""scripts/gpu_check.py (issue 55's GPU measurements) runs its dry run: the same code on the CPU
+with tiny shapes, so the script a lent GPU session runs has not rotted in between."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_gpu_check_dry_run(tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_check.py"), "--dry-run", "--out", str(tmp_path)],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads((tmp_path / "gpu_check.json").read_text())
+    products, decode, pipeline = results["products"], results["decode"], results["pipeline"]
+    assert {r["model"] for r in products} >= {"dense", "kmeans 4-bit per channel",
+                                              "kmeans 4-bit, 2-d vectors per 64 channels + row scales + 0.07 % outliers"}
+    assert all(r["us per call"] > 0 for r in products)
+    assert [r["model"] for r in decode] == ["dense", "4-bit recipe layout", "svd 40 %"]
+    assert decode[1]["resident MB"] < decode[0]["resident MB"]  # the layouts were really swapped in
+    assert all(r["decode tok/s"] > 0 for r in decode)
+    assert {(r["method"], r["layers"]) for r in pipeline} == {(m, n) for m in ("Basis Sharing 20 %", "SVD-LLM 20 %",
+                                                                               "kmeans 4-bit") for n in (2, 4)}
+    assert all(r["compress s"] > 0 and r["compress peak MB"] > 0 for r in pipeline)
+    assert all("compress s at 32 layers" in r for r in pipeline if r["layers"] == 4)
+    table = (tmp_path / "gpu_check.md").read_text()
+    assert table.count("\n## ") == 3 and "skipped" not in table
