@@ -160,6 +160,25 @@ def test_lowrank_kernel_builds_where_a_compiler_exists():
 
 
 @pytest.mark.skipif(kernels.lut() is None or kernels.lowrank() is None, reason="kernels not built here")
+@pytest.mark.parametrize("d", [1, 2, 3, 4, 8])
+def test_nearest_centroid_kernel_equals_the_distance_matrix(d, monkeypatch):
+    """The compiled search (no distance matrix) finds the centroid the torch path finds, at the
+    same squared distance; k-means and error feedback built on it then cluster alike."""
+    from wscompress.maths import clustering
+
+    if kernels.nearest() is None:
+        pytest.skip("kernels unavailable here: " + kernels.status())
+    gen = torch.Generator().manual_seed(d)
+    points, centroids = torch.randn(5, 333, d, generator=gen), torch.randn(5, 37, d, generator=gen)
+    dist, idx = clustering._nearest(points, centroids, distances=True)
+    monkeypatch.setattr(kernels, "nearest", lambda: None)
+    ref_dist, ref_idx = clustering._nearest(points, centroids, distances=True)
+    torch.testing.assert_close(dist, ref_dist, atol=1e-5, rtol=1e-5)
+    full = torch.cdist(points.double(), centroids.double()).pow(2).sort(-1).values
+    clear = full[..., 1] - full[..., 0] > 1e-4  # rounding may break an exact tie either way
+    assert clear.float().mean() > 0.95 and torch.equal(idx[clear], ref_idx[clear])
+
+
 def test_another_checkout_reuses_the_built_kernels(tmp_path):
     """A second copy of the package (a CI clone beside a working copy, an install beside an
     editable one) loads the libraries this one built instead of rebuilding them (~27 s each),

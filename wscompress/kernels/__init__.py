@@ -1,5 +1,6 @@
 """Compiled CPU kernels: look-up-table matmul for palettized weights (``lut.cpp``), a fused
-low-rank matmul for decoding (``lowrank.cpp``), and for calibration's bfloat16 passes with
+low-rank matmul for decoding (``lowrank.cpp``), vector k-means' nearest-centroid search
+(``nearest.cpp``), and for calibration's bfloat16 passes with
 AVX-512 BF16 the Gram matrices and cross products (``products.cpp``) and a one-pass RMSNorm
 (``norms.cpp``); on CUDA, the look-up-table product for
 decoding in Triton (``lut_triton.py``), used where Triton is installed (CUDA builds of torch
@@ -8,7 +9,7 @@ bring it).
 ``make install`` builds them (``python -m wscompress.kernels.build``) with torch's C++ extension
 tools into ``<cache>/kernels/torch-<version>-<where>-<cpu>/<name>``; later processes load the built libraries. Where
 they cannot be built or loaded (no compiler, an unusual platform) or ``WSCOMPRESS_KERNELS=0``,
-the loaders (``lut()``, ``lowrank()``, ...) return None, ``status()`` says why, and layers use
+the loaders (``lut()``, ``lowrank()``, ``nearest()``, ...) return None, ``status()`` says why, and layers use
 their pure-torch path (calibration the BLAS and the models' own norms), which gives the same
 results. A Triton kernel that fails to compile on a GPU is
 reported once and the torch path takes over.
@@ -119,6 +120,11 @@ def lut() -> ModuleType | None:
 def lowrank() -> ModuleType | None:
     """The compiled low-rank module, or None when it is not available (see ``status``)."""
     return _load("lowrank")[0]
+
+
+def nearest() -> ModuleType | None:
+    """The compiled nearest-centroid search of vector k-means, or None when it is not available."""
+    return _load("nearest")[0]
 
 
 def _bf16(source: str) -> tuple[ModuleType | None, str]:

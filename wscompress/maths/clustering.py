@@ -25,6 +25,7 @@ import math
 
 import torch
 
+from .. import kernels
 from ..recipe.schema import Init
 
 CHUNK_ELEMENTS = 1 << 22  # distance-matrix entries computed at once by vector clustering
@@ -109,7 +110,13 @@ def _lloyd_1d(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor, iterations: int
 
 def _nearest(points: torch.Tensor, centroids: torch.Tensor, distances: bool = False):
     """Index of the nearest centroid for points (B, m, d), centroids (B, k, d), in chunks; with
-    ``distances`` also the squared distance to it."""
+    ``distances`` also the squared distance to it. On the CPU the compiled search
+    (``kernels/nearest.cpp``) never writes the distance matrix, where its memory traffic set
+    the time."""
+    fast = kernels.nearest() if points.device.type == "cpu" else None
+    if fast is not None and points.dtype == centroids.dtype == torch.float32 and points.shape[-1] <= 8:
+        idx, dist = fast.nearest(points, centroids)
+        return (dist, idx) if distances else idx
     b = points.shape[0]
     step = max(1, CHUNK_ELEMENTS // (b * centroids.shape[1]))
     c2 = (centroids ** 2).sum(-1)[:, None]
@@ -260,7 +267,8 @@ def assign(weight: torch.Tensor, codebook: torch.Tensor, group_size: int, gram: 
         mids = ((sorted_c[:, 1:] + sorted_c[:, :-1]) / 2).contiguous()
         pick = lambda p: c_order.gather(1, torch.searchsorted(mids, p.contiguous()))[:, 0]  # noqa: E731
     else:
-        pick = lambda p: _nearest(p[:, None], rows)[:, 0]  # noqa: E731
+        book = codebook.to(w)  # rows of a group in one batch: (groups, rows a group, d) against (groups, K, d)
+        pick = lambda p: _nearest(p.reshape(book.shape[0], -1, d), book).reshape(-1)  # noqa: E731
     idx = torch.empty(out, inp // d, dtype=torch.long, device=w.device)
     block = max(d, block // d * d)
     for i1 in range(0, inp, block):
