@@ -172,3 +172,31 @@ def test_a_second_budget_reuses_the_measurements(tokenizer, tmp_path, monkeypatc
     assert second["estimated_cost"] <= first["estimated_cost"]  # more bytes never cost more
     run(3.2, damp=0.05)
     assert len(calls) == 2
+
+
+def test_measurement_palettizes_whole_codebook_groups_of_large_matrices():
+    """The measurement's sample: every 4th block of rows, a block whole groups of every layout
+    that tiles the matrix; a small matrix in full; the sampled cost, scaled, near the whole's."""
+    import torch
+
+    from wscompress.methods.kmeans import MEASURE_EVERY, measured_rows
+
+    by_64, by_96 = (KMeansConfig(bits=4, granularity="grouped", group_size=g) for g in (64, 96))
+    rows = measured_rows(1536, [by_64, KMeansConfig(bits=4, granularity="per_tensor")])
+    assert rows.numel() == 1536 // MEASURE_EVERY
+    starts = rows.view(-1, 64)[:, 0]
+    assert torch.equal(rows.view(-1, 64), starts[:, None] + torch.arange(64)) and torch.equal(starts % 256, 0 * starts)
+    assert measured_rows(1536, [by_64, by_96]).view(-1, 192).shape[0] == 2  # 8 blocks of 192 rows, every 4th
+    assert measured_rows(576, [by_64, by_96]) is None and measured_rows(192, [by_64]) is None
+
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(2048, 64, generator=gen) * torch.rand(2048, 1, generator=gen)  # rows of differing scales
+    x = torch.randn(512, 64, generator=gen)
+    gram, layout = x.T @ x, KMeansConfig(bits=3, granularity="grouped", group_size=64, iterations=20, outliers=0)
+
+    def cost(weight: torch.Tensor) -> float:
+        delta = (palettize(nn.Module(), layout, gram, weight).dense_weight().detach() - weight).double()
+        return (delta @ gram.double() * delta).sum().item()
+
+    sample = measured_rows(2048, [layout])
+    assert cost(w[sample]) * 2048 / sample.numel() == pytest.approx(cost(w), rel=0.2)
