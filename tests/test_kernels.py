@@ -166,17 +166,56 @@ def test_nearest_centroid_kernel_equals_the_distance_matrix(d, monkeypatch):
     same squared distance; k-means and error feedback built on it then cluster alike."""
     from wscompress.maths import clustering
 
-    if kernels.nearest() is None:
+    if kernels.kmeans() is None:
         pytest.skip("kernels unavailable here: " + kernels.status())
     gen = torch.Generator().manual_seed(d)
     points, centroids = torch.randn(5, 333, d, generator=gen), torch.randn(5, 37, d, generator=gen)
     dist, idx = clustering._nearest(points, centroids, distances=True)
-    monkeypatch.setattr(kernels, "nearest", lambda: None)
+    monkeypatch.setattr(kernels, "kmeans", lambda: None)
     ref_dist, ref_idx = clustering._nearest(points, centroids, distances=True)
     torch.testing.assert_close(dist, ref_dist, atol=1e-5, rtol=1e-5)
     full = torch.cdist(points.double(), centroids.double()).pow(2).sort(-1).values
     clear = full[..., 1] - full[..., 0] > 1e-4  # rounding may break an exact tie either way
     assert clear.float().mean() > 0.95 and torch.equal(idx[clear], ref_idx[clear])
+
+
+def test_kmeans_pp_kernel_draws_as_the_inverse_cdf():
+    """The compiled k-means++ seeding picks, at given uniforms, the points the torch inverse CDF
+    (cumsum, searchsorted) picks, exactly on integer data (no rounding to differ), never a point
+    of weight zero, and seeds as well as the torch path on random data."""
+    from wscompress.maths import clustering
+
+    if kernels.kmeans() is None:
+        pytest.skip("kernels unavailable here: " + kernels.status())
+    gen = torch.Generator().manual_seed(0)
+    points = torch.randint(-20, 20, (6, 300, 3), generator=gen).float()
+    weights = torch.randint(0, 4, (6, 300), generator=gen).float()  # a quarter of the points weigh nothing
+    u = torch.rand(6, 24, generator=gen)
+
+    def draw(mass: torch.Tensor, ui: torch.Tensor) -> int:
+        cdf = mass.cumsum(0)
+        return min(int(torch.searchsorted(cdf, (ui * cdf[-1]).reshape(1), right=True)), mass.numel() - 1)
+
+    expected = []
+    for p, w, ub in zip(points, weights, u):
+        picks = [draw(w, ub[0])]
+        d2 = ((p - p[picks[0]]) ** 2).sum(-1)
+        for s in range(1, u.shape[1]):
+            picks.append(draw(d2 * w, ub[s]))
+            d2 = torch.minimum(d2, ((p - p[picks[-1]]) ** 2).sum(-1))
+        assert all(w[i] > 0 for i in picks)
+        expected.append(p[picks])
+    assert torch.equal(kernels.kmeans().kmeans_pp(points, weights, u), torch.stack(expected))
+
+    def potential(c: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> float:
+        return float((torch.cdist(x, c).pow(2).min(-1).values * w).sum())
+
+    x, w = torch.randn(64, 500, 2, generator=gen), torch.rand(64, 500, generator=gen)
+    fast = potential(clustering._kmeans_pp(x, w, 32, torch.Generator().manual_seed(1)), x, w)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kernels, "kmeans", lambda: None)
+        slow = potential(clustering._kmeans_pp(x, w, 32, torch.Generator().manual_seed(1)), x, w)
+    assert fast == pytest.approx(slow, rel=0.1)
 
 
 def test_another_checkout_reuses_the_built_kernels(tmp_path):

@@ -1,6 +1,6 @@
 """Compiled CPU kernels: look-up-table matmul for palettized weights (``lut.cpp``), a fused
-low-rank matmul for decoding (``lowrank.cpp``), vector k-means' nearest-centroid search
-(``nearest.cpp``), and for calibration's bfloat16 passes with
+low-rank matmul for decoding (``lowrank.cpp``), k-means' nearest-centroid search and
+seeding (``kmeans.cpp``), and for calibration's bfloat16 passes with
 AVX-512 BF16 the Gram matrices and cross products (``products.cpp``) and a one-pass RMSNorm
 (``norms.cpp``); on CUDA, the look-up-table product for
 decoding in Triton (``lut_triton.py``), used where Triton is installed (CUDA builds of torch
@@ -9,7 +9,7 @@ bring it).
 ``make install`` builds them (``python -m wscompress.kernels.build``) with torch's C++ extension
 tools into ``<cache>/kernels/torch-<version>-<where>-<cpu>/<name>``; later processes load the built libraries. Where
 they cannot be built or loaded (no compiler, an unusual platform) or ``WSCOMPRESS_KERNELS=0``,
-the loaders (``lut()``, ``lowrank()``, ``nearest()``, ...) return None, ``status()`` says why, and layers use
+the loaders (``lut()``, ``lowrank()``, ``kmeans()``, ...) return None, ``status()`` says why, and layers use
 their pure-torch path (calibration the BLAS and the models' own norms), which gives the same
 results. A Triton kernel that fails to compile on a GPU is
 reported once and the torch path takes over.
@@ -122,9 +122,10 @@ def lowrank() -> ModuleType | None:
     return _load("lowrank")[0]
 
 
-def nearest() -> ModuleType | None:
-    """The compiled nearest-centroid search of vector k-means, or None when it is not available."""
-    return _load("nearest")[0]
+def kmeans() -> ModuleType | None:
+    """The compiled k-means loops (nearest centroid, k-means++ seeding), or None when they are
+    not available."""
+    return _load("kmeans")[0]
 
 
 def _bf16(source: str) -> tuple[ModuleType | None, str]:

@@ -47,6 +47,9 @@ def _kmeans_pp(points: torch.Tensor, weights: torch.Tensor, k: int, gen: torch.G
     the potential most (greedy k-means++, as scikit-learn does). A group whose points are all
     centroids already draws duplicates (never NaN).
     """
+    fast = kernels.kmeans() if points.device.type == "cpu" and trials == 1 else None
+    if fast is not None and points.dtype == weights.dtype == torch.float32:  # the compiled loop, same draws' law
+        return fast.kmeans_pp(points, weights, torch.rand(points.shape[0], k, generator=gen))
     b = torch.arange(points.shape[0], device=points.device)
     centroids = [points[b, _sample(weights, gen)[:, 0]]]
     d2 = ((points - centroids[0][:, None]) ** 2).sum(-1)
@@ -111,9 +114,9 @@ def _lloyd_1d(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor, iterations: int
 def _nearest(points: torch.Tensor, centroids: torch.Tensor, distances: bool = False):
     """Index of the nearest centroid for points (B, m, d), centroids (B, k, d), in chunks; with
     ``distances`` also the squared distance to it. On the CPU the compiled search
-    (``kernels/nearest.cpp``) never writes the distance matrix, where its memory traffic set
+    (``kernels/kmeans.cpp``) never writes the distance matrix, where its memory traffic set
     the time."""
-    fast = kernels.nearest() if points.device.type == "cpu" else None
+    fast = kernels.kmeans() if points.device.type == "cpu" else None
     if fast is not None and points.dtype == centroids.dtype == torch.float32 and points.shape[-1] <= 8:
         idx, dist = fast.nearest(points, centroids)
         return (dist, idx) if distances else idx
