@@ -28,6 +28,15 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+@functools.cache
+def cpu_vendor() -> str:
+    """The CPU's vendor as /proc/cpuinfo names it (GenuineIntel, AuthenticAMD; "" where unknown)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return ""
+    return next((line.partition(":")[2].strip() for line in lines if line.partition(":")[0].strip() == "vendor_id"), "")
+
 
 @functools.cache
 def cpu_flags() -> frozenset[str]:

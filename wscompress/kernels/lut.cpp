@@ -39,7 +39,8 @@ struct Sparse {
 // read by permutes (16 floats: D 1 with nibbles; 32: D 2 with nibbles, AVX-512 only), larger
 // ones (in L1: at most 256 x 4 floats) by one load a vector (64 or 128 bits; AVX2 pairs: one
 // 4-element 64-bit gather): on the AMD core measured (docs/runtime.md) AVX-512 gathers, whose
-// cost grows with their elements, were slower than the dense product.
+// cost grows with their elements, were slower than the dense product. On Intel cores
+// (WSCOMPRESS_GATHER_PAIRS, set by the loader) AVX-512 pairs are one 8-element gather.
 template <int W, int D>
 struct Row {
   const uint8_t* idx;
@@ -89,12 +90,16 @@ struct Row {
         __m512i lane = _mm512_permutexvar_epi32(_mm512_load_si512(spread), id);
         lane = _mm512_add_epi32(_mm512_slli_epi32(lane, 1), _mm512_load_si512(part));
         return _mm512_permutex2var_ps(t0, lane, t1);
-      } else {  // 8 loads of 64 bits, two to a 128-bit lane
+      } else {
+#ifdef WSCOMPRESS_GATHER_PAIRS  // one gather of 8 pairs (Intel)
+        return _mm512_castpd_ps(_mm512_i32gather_pd(_mm256_cvtepu8_epi32(bytes), reinterpret_cast<const double*>(table), 8));
+#else  // 8 loads of 64 bits, two to a 128-bit lane
         const uint64_t q = static_cast<uint64_t>(_mm_cvtsi128_si64(bytes));
         const double* t = reinterpret_cast<const double*>(table);
         auto two = [&](int s) { return _mm_castpd_ps(_mm_loadh_pd(_mm_load_sd(t + ((q >> s) & 255)), t + ((q >> (s + 8)) & 255))); };
         const __m512 a = _mm512_insertf32x4(_mm512_castps128_ps512(two(0)), two(16), 1);
         return _mm512_insertf32x4(_mm512_insertf32x4(a, two(32), 2), two(48), 3);
+#endif
       }
     } else {  // 4 indices, each 4 floats: 4 loads of 128 bits
       const uint32_t q = static_cast<uint32_t>(_mm_cvtsi128_si32(bytes));
