@@ -22,7 +22,9 @@ from wscompress.workflow import apply_stages
 from conftest import text_tokenizer, tiny_model
 
 # logits[..., :64] of each recipe, made before the package was rearranged into folders (on the
-# commit before it), with a tokenizer and calibration text that do not depend on the Python version
+# commit before it), with a tokenizer and calibration text that do not depend on the Python version;
+# the kmeans ones remade when k-means++ seeding moved into kernels/kmeans.cpp (same law, its
+# uniforms drawn at once: other centroids)
 GOLDEN = Path(__file__).parent / "data" / "pipeline_logits.safetensors"
 CALIB = {"dataset": "builtin:wiki.train", "num_samples": 8, "seq_len": 32, "batch_size": 2, "dtype": "float32"}  # exact float32
 RECIPES = {  # name -> stages

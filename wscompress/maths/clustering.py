@@ -32,12 +32,13 @@ CHUNK_ELEMENTS = 1 << 22  # distance-matrix entries computed at once by vector c
 SHIFT = 13  # float32 histogram: drop 13 low mantissa bits -> 2^19 bins as fine as float16's
 
 
-def _sample(p: torch.Tensor, gen: torch.Generator, count: int = 1) -> torch.Tensor:
+def _sample(p: torch.Tensor, gen: torch.Generator, count: int = 1, u: torch.Tensor | None = None) -> torch.Tensor:
     """``count`` indices per row of p (B, m), drawn with probability proportional to p
-    (inverse CDF; a row of zeros picks its last point)."""
+    (inverse CDF at the uniforms ``u`` (B, count), drawn from ``gen`` when not given; a row of
+    zeros picks its last point)."""
     cdf = p.cumsum(1)
-    u = torch.rand(p.shape[0], count, generator=gen, device=p.device, dtype=cdf.dtype) * cdf[:, -1:]
-    return torch.searchsorted(cdf, u, right=True).clamp_max(p.shape[1] - 1)
+    u = torch.rand(p.shape[0], count, generator=gen, device=p.device, dtype=cdf.dtype) if u is None else u.to(cdf.dtype)
+    return torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_max(p.shape[1] - 1)
 
 
 def _kmeans_pp(points: torch.Tensor, weights: torch.Tensor, k: int, gen: torch.Generator, trials: int = 1) -> torch.Tensor:
@@ -47,14 +48,16 @@ def _kmeans_pp(points: torch.Tensor, weights: torch.Tensor, k: int, gen: torch.G
     the potential most (greedy k-means++, as scikit-learn does). A group whose points are all
     centroids already draws duplicates (never NaN).
     """
+    # one draw a step, all taken at once: the compiled loop and the torch path pick the same points
+    u = torch.rand(points.shape[0], k, generator=gen, device=points.device) if trials == 1 else None
     fast = kernels.kmeans() if points.device.type == "cpu" and trials == 1 else None
-    if fast is not None and points.dtype == weights.dtype == torch.float32:  # the compiled loop, same draws' law
-        return fast.kmeans_pp(points, weights, torch.rand(points.shape[0], k, generator=gen))
+    if fast is not None and points.dtype == weights.dtype == torch.float32:
+        return fast.kmeans_pp(points, weights, u)
     b = torch.arange(points.shape[0], device=points.device)
-    centroids = [points[b, _sample(weights, gen)[:, 0]]]
+    centroids = [points[b, _sample(weights, gen, u=None if u is None else u[:, :1])[:, 0]]]
     d2 = ((points - centroids[0][:, None]) ** 2).sum(-1)
-    for _ in range(1, k):
-        cand = points[b[:, None], _sample(d2 * weights, gen, trials)]  # (B, trials, d)
+    for s in range(1, k):
+        cand = points[b[:, None], _sample(d2 * weights, gen, trials, None if u is None else u[:, s:s + 1])]  # (B, trials, d)
         new = torch.minimum(d2[:, None], ((points[:, None] - cand[:, :, None]) ** 2).sum(-1))  # (B, trials, m)
         best = (new * weights[:, None]).sum(-1).argmin(1)
         centroids.append(cand[b, best])
