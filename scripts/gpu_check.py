@@ -35,7 +35,8 @@ import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling benchmark's helpers
-from bench_runtime import MODELS, RECIPES, graph_decode_seconds, layer_rows, markdown, random_layout  # noqa: E402
+from bench_runtime import (LAYER_COLS, LAYER_SHAPES, MODELS, RECIPES, graph_decode_seconds, layer_rows,  # noqa: E402
+                           markdown, random_layout)
 
 from wscompress.evaluation.decode import StaticDecoder  # noqa: E402
 from wscompress.evaluation.profile import copy_bandwidth  # noqa: E402
@@ -82,11 +83,9 @@ def random_model(shape: dict, device: torch.device, dtype: torch.dtype) -> Llama
 
 
 def products(device: torch.device, dtype: torch.dtype, dry: bool) -> tuple[str, list[dict], list[str]]:
-    shapes = [(128, 256), (256, 128)] if dry else None
-    rows = layer_rows(device, dtype, copy_bandwidth(device), device.type == "cuda",
-                      **({"shapes": shapes} if shapes else {}))
-    cols = ["layer (out x in)", "model", "weight MB", "us per call", "x dense", "graph us per call", "graph x dense",
-            "bound us", "of bound"]
+    shapes = [(128, 256), (256, 128)] if dry else LAYER_SHAPES
+    rows = layer_rows(device, dtype, copy_bandwidth(device), device.type == "cuda", shapes)
+    cols = [c for c in LAYER_COLS if any(c in r for r in rows)]
     return "One product at batch 1 (random weights; bound = weight bytes / copy bandwidth)", rows, cols
 
 
@@ -113,7 +112,8 @@ def decode(device: torch.device, dtype: torch.dtype, dry: bool, tokens: int = 16
                          "of bound": f"{tps * resident / bandwidth:.0%}"})
             del decoder, model
             gc.collect()
-            torch.cuda.empty_cache() if graph else None
+            if graph:
+                torch.cuda.empty_cache()
         dense_mb = rows[-len(builds)]["resident MB"]
         for row in rows[-len(builds):]:
             row["bytes ratio"] = round(dense_mb / row["resident MB"], 2)
@@ -151,7 +151,8 @@ def pipeline(device: torch.device, dry: bool, out: Path, dtype: torch.dtype = to
             recipe = load_recipe(REPO / "configs" / config, sets)
             row = {"method": label, "layers": depth, "layer MB": round(layer_mb, 1)}
             for step, run in (("calibrate", step_calibrate), ("compress", step_compress)):
-                torch.cuda.reset_peak_memory_stats(device) if device.type == "cuda" else None
+                if device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(device)
                 start = time.perf_counter()
                 report = run(recipe)
                 row[f"{step} s"] = round(time.perf_counter() - start, 1)

@@ -28,30 +28,27 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-@functools.cache
-def cpu_vendor() -> str:
-    """The CPU's vendor as /proc/cpuinfo names it (GenuineIntel, AuthenticAMD; "" where unknown)."""
+def _cpuinfo(*keys: str) -> str | None:
+    """The value of the first /proc/cpuinfo line named one of ``keys`` (None where there is no
+    such line or file). Read once per caller: the file's clock readings change."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        return ""
-    return next((line.partition(":")[2].strip() for line in lines if line.partition(":")[0].strip() == "vendor_id"), "")
+        return None
+    return next((value.strip() for key, _, value in (line.partition(":") for line in lines) if key.strip() in keys), None)
+
+
+@functools.cache
+def cpu_vendor() -> str:
+    """The CPU's vendor as /proc/cpuinfo names it (GenuineIntel, AuthenticAMD; "" where unknown)."""
+    return _cpuinfo("vendor_id") or ""
 
 
 @functools.cache
 def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags (the ``flags`` line of /proc/cpuinfo, ``Features`` on ARM; none
     where there is no such file). Nothing else of the file: its clock readings change."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return frozenset()
-    for line in lines:
-        key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):
-            return frozenset(value.split())
-    return frozenset()
-
+    return frozenset((_cpuinfo("flags", "Features") or "").split())
 
 
 @functools.cache
