@@ -12,11 +12,18 @@ import torch.nn.functional as F
 import wscompress
 from wscompress import kernels
 from wscompress.maths.clustering import cluster
-from wscompress.model.modeling_wscompress import DECODE_ROWS, KERNELS, PalettizedLinear
+from wscompress.model.modeling_wscompress import DECODE_ROWS, KERNELS, PalettizedLinear, dequantize
 
 from conftest import tiny_model
 
 CALIB = {"dataset": "pydoc", "num_samples": 4, "seq_len": 32, "batch_size": 2}
+
+
+@pytest.fixture
+def float_activations(monkeypatch):
+    """Decoding multiplies float activations (the tests that compare with the reference path to
+    float rounding); the 8-bit path has tests of its own below."""
+    monkeypatch.setattr(kernels, "_q8", {4: False, 8: False})
 
 
 def test_kernels_build_where_a_compiler_exists():
@@ -43,7 +50,7 @@ def layer(bits: int, group_size: int, out: int = 48, inp: int = 72, outliers: in
 @pytest.mark.parametrize("bits, group_size, outliers", [(4, 1, 0), (4, 16, 5), (4, 48, 0), (3, 1, 7), (2, 8, 0),
                                                         (1, 1, 0), (5, 1, 3), (8, 4, 0), (6, 48, 0)])
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 40])
-def test_lut_matmul_equals_the_reference_path(bits, group_size, outliers, rows):
+def test_lut_matmul_equals_the_reference_path(bits, group_size, outliers, rows, float_activations):
     lin = layer(bits, group_size, outliers=outliers)
     x = torch.randn(rows, 72)
     ref = F.linear(x, lin.dense_weight(), lin.bias)
@@ -57,7 +64,7 @@ def test_lut_matmul_equals_the_reference_path(bits, group_size, outliers, rows):
 @pytest.mark.parametrize("d, bits, group_size, outliers", [(2, 4, 1, 0), (2, 4, 16, 6), (2, 3, 48, 0), (2, 6, 8, 4),
                                                            (2, 8, 48, 0), (4, 8, 48, 5), (4, 4, 16, 0), (4, 2, 1, 0)])
 @pytest.mark.parametrize("rows, inp", [(1, 72), (2, 64), (5, 72), (40, 72)])
-def test_vector_codebooks_equal_the_reference_path(d, bits, group_size, outliers, rows, inp):
+def test_vector_codebooks_equal_the_reference_path(d, bits, group_size, outliers, rows, inp, float_activations):
     """Vector codebooks (a centroid for every d weights in a row) decode through the kernel too:
     nibble and byte indices, tables held in registers or gathered, a row's tail past the last
     whole block, outliers, and prefill (more than DECODE_ROWS rows)."""
@@ -69,7 +76,7 @@ def test_vector_codebooks_equal_the_reference_path(d, bits, group_size, outliers
 
 
 @pytest.mark.skipif(kernels.lut() is None, reason="kernels not built here")
-def test_outlier_corrections_follow_a_trained_codebook():
+def test_outlier_corrections_follow_a_trained_codebook(float_activations):
     """The kernel's outlier corrections (exact weight minus codebook value) are prepared once;
     a codebook changed in place (a fine-tuning step) or outliers given out of order still give
     the reference result."""
@@ -91,7 +98,7 @@ def test_outlier_corrections_follow_a_trained_codebook():
 
 @pytest.mark.skipif(kernels.lut() is None, reason="kernels not built here")
 @pytest.mark.parametrize("d, bits, group_size, outliers", [(1, 4, 16, 5), (2, 8, 48, 6), (4, 8, 16, 0)])
-def test_row_scales_decode_through_the_kernel(d, bits, group_size, outliers):
+def test_row_scales_decode_through_the_kernel(d, bits, group_size, outliers, float_activations):
     """Row scales multiply the kernel's output; the outliers' corrections (exact over scale,
     minus the codebook value) follow a scale changed in place, as a fine-tuning step does."""
     lin = layer(bits, group_size, outliers=outliers, d=d, scaled=True)
@@ -112,6 +119,82 @@ def test_row_scales_decode_through_the_kernel(d, bits, group_size, outliers):
         torch.testing.assert_close(lin.rows(torch.tensor([0, 47, 5])), lin.dense_weight()[[0, 47, 5]])
 
 
+def q8_reference(lin: PalettizedLinear, x: torch.Tensor) -> torch.Tensor:
+    """What the byte-product path computes, in torch: the weight from the rounded tables (12-bit
+    values 16·hi + lo), each input row a block of 32 as s (q1 + q2 / 256) with s the block's
+    largest magnitude / 127 and q1, q2 signed bytes, their products but lo·q2, the outliers'
+    float corrections, then the row scales and the bias."""
+    layout = lin.kernel_layout()
+    values, scales = layout.rounded
+    groups, d = values.shape[0], lin.cluster_dim
+    k = values.shape[1] // (d + 1)
+    hi = values[:, : d * k].float().reshape(groups, d, k)
+    lo = torch.stack([values[:, d * k:].view(torch.uint8).int() >> 4 * c & 15 for c in range(d)], 1)
+    weight = [dequantize((t * scales[:, None, None]).transpose(1, 2).contiguous(), lin.index_matrix(), lin.group_size)
+              for t in (16 * hi + lo, 16 * hi)]
+    blocks = x.reshape(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    v = blocks * torch.where(amax > 0, 127 / amax, 0)
+    q1 = v.round()
+    q2 = ((v - q1) * 256).round().clamp(-127, 127) / 256
+    y = sum((q * amax / 127).reshape_as(x) @ w.T for q, w in zip((q1, q2), weight))  # lo q2 left out
+    if layout.outliers is not None:
+        row_ptr, col, delta = layout.outliers
+        rows = torch.repeat_interleave(torch.arange(lin.out_features), row_ptr.diff())
+        y += x[:, col.long()] * delta @ F.one_hot(rows, lin.out_features).float()
+    if lin.scale is not None:
+        y = y * lin.scale
+    return y + lin.bias
+
+
+@pytest.mark.skipif(kernels.lut() is None or not kernels.q8(4), reason="no 8-bit path here")
+@pytest.mark.parametrize("d, bits, group_size, outliers, scaled", [(1, 4, 16, 0, False), (1, 3, 6, 7, True),
+                                                                   (1, 4, 48, 5, False), (2, 8, 48, 0, False),
+                                                                   (2, 6, 6, 9, True), (2, 8, 16, 4, True),
+                                                                   (1, 8, 16, 3, True), (1, 6, 48, 0, False)])
+@pytest.mark.parametrize("rows, inp", [(1, 64), (2, 96), (5, 160), (8, 64)])
+def test_decoding_on_8_bit_activations_computes_its_rounding(d, bits, group_size, outliers, scaled, rows, inp):
+    """Decoding multiplies 8-bit activations by the 8-bit tables (nibbles of single weights,
+    bytes of single weights and of pairs): exactly the rounding ``q8_reference`` spells out, to float summation order,
+    on rows of 2 to 5 blocks (a partial last step), groups of rows that a block of 4 straddles,
+    outliers and row scales; within 0.1 % of the float product."""
+    if not kernels.q8(4 if bits <= 4 else 8):
+        pytest.skip("this CPU's build has no 8-bit path for byte indices")
+    lin = layer(bits, group_size, out=48, inp=inp, outliers=outliers, d=d, scaled=scaled)
+    x = torch.randn(rows, inp)
+    x[0, :32] = 0  # a block of zeros rounds to zeros (no division by its scale)
+    with torch.no_grad():
+        y = lin(x)
+        ref = q8_reference(lin, x)  # float sums in another order: differences of float32's grain at the outputs' scale
+        torch.testing.assert_close(y, ref, rtol=1e-4, atol=4e-6 * ref.abs().max().item())
+        exact = F.linear(x, lin.dense_weight(), lin.bias)
+        assert (y - exact).norm() / exact.norm() < 1e-3
+        torch.testing.assert_close(lin(x.view(1, rows, inp)), y.view(1, rows, -1))
+
+
+def test_the_avx2_build_decodes_nibbles_on_8_bit_activations():
+    """The AVX2 build (``WSCOMPRESS_MARCH=haswell``, what a CPU without AVX-512 compiles) runs
+    the 8-bit path for nibble tables and the float path for bytes of pairs, with the same
+    results as its rounding and the reference path: the checking machines have no AVX-512."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from wscompress.io.hardware import cpu_flags
+
+    if "avx2" not in cpu_flags() or not (shutil.which("c++") or shutil.which("g++")):
+        pytest.skip("no AVX2 or no compiler here")
+    here = Path(__file__).parent
+    env = {**__import__("os").environ, "WSCOMPRESS_MARCH": "haswell"}
+    check = ("from wscompress import kernels; assert 'haswell' in kernels.status() and kernels.q8(4) "
+             "and not kernels.q8(8), kernels.status()")
+    assert subprocess.run([sys.executable, "-c", check], env=env).returncode == 0
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(here / "test_kernels.py"),
+                          "-k", "8_bit_activations_computes or lut_matmul_equals or vector_codebooks_equal"],
+                         env=env, cwd=here.parent, capture_output=True, text=True)
+    assert run.returncode == 0 and " passed" in run.stdout, run.stdout[-3000:]
+
+
 def test_gradients_and_odd_rows_take_the_reference_path():
     lin = layer(4, 1)
     x = torch.randn(2, 72)
@@ -126,7 +209,7 @@ def test_gradients_and_odd_rows_take_the_reference_path():
 
 
 @pytest.mark.skipif(kernels.lut() is None, reason="kernels not built here")
-def test_whole_model_logits_match_the_reference_path(tokenizer, monkeypatch):
+def test_whole_model_logits_match_the_reference_path(tokenizer, monkeypatch, float_activations):
     model = tiny_model("llama")
     wscompress.compress(model, [{"method": "kmeans", "bits": 3}], tokenizer, CALIB)
     ids = torch.randint(0, 512, (2, 24))
@@ -151,7 +234,8 @@ def test_resident_bytes_stay_packed(bits):
     repacked = bits < 4 and kernels.lut() is not None
     indices = 48 * 64 * (bits + 4 if repacked else bits) // 8  # + the nibble copy
     padded = 16 if repacked else 0  # the one group's table as the kernel reads it
-    assert resident_bytes(lin) == indices + 4 * (lin.codebook.numel() + 48 + padded)  # + codebook and bias, float32
+    rounded = 2 * 16 + 4  # and rounded for the 8-bit path (hi and lo bytes), with its scale
+    assert resident_bytes(lin) == indices + 4 * (lin.codebook.numel() + 48 + padded) + rounded  # + codebook and bias
 
 
 def test_lowrank_kernel_builds_where_a_compiler_exists():
@@ -275,13 +359,15 @@ def test_lowrank_kernel_equals_the_two_matmuls(rows, bias):
 def test_kernels_are_pytorch_operators_with_shape_rules():
     """The kernels are torch.ops.wscompress operators (a compiled graph calls them like aten's):
     opcheck tests the schema, the shape rule torch.compile traces with and the dispatch."""
-    lin = layer(8, 4, outliers=5, d=2)
-    indices, width, sparse, tables = lin.kernel_layout()
-    x = torch.randn(3, 72)
+    lin = layer(8, 4, outliers=5, d=2, inp=64)
+    indices, width, sparse, tables, rounded = lin.kernel_layout()
+    x = torch.randn(3, 64)
     torch.library.opcheck(torch.ops.wscompress.lut_linear.default,
                           (x, indices, tables.float().contiguous(), width, 4, 48, *sparse))
     torch.library.opcheck(torch.ops.wscompress.lut_dense.default,
-                          (indices, tables.float().contiguous(), width, 4, 48, 72, *sparse))
+                          (indices, tables.float().contiguous(), width, 4, 48, 64, *sparse))
+    if kernels.q8(width):
+        torch.library.opcheck(torch.ops.wscompress.lut_linear_q8.default, (x, indices, *rounded, width, 4, 48, *sparse))
     basis, coeff = torch.randn(13, 70), torch.randn(37, 13)
     torch.library.opcheck(torch.ops.wscompress.lowrank_linear.default, (torch.randn(2, 70), basis, coeff, None))
     torch.library.opcheck(torch.ops.wscompress.lowrank_linear.default, (torch.randn(1, 1, 70), basis, coeff, torch.randn(37)))

@@ -130,8 +130,10 @@ def kernel_path(model: nn.Module) -> str:
     elif pal and (not cpu or kernels.lut() is None):
         parts.append(f"palettized: weight materialised per forward (torch; {kernels.status()})")
     elif pal:
-        lut = sum(m.kernel_layout() is not None for m in pal)
-        parts.append(f"palettized: LUT kernel on {lut}/{len(pal)} layers, the rest torch")
+        layouts = [layout for m in pal if (layout := m.kernel_layout()) is not None]
+        q8 = sum(layout.rounded is not None and kernels.q8(layout.width) for layout in layouts)
+        parts.append(f"palettized: LUT kernel on {len(layouts)}/{len(pal)} layers ({q8} of them decoding on 8-bit "
+                     f"activations), the rest torch")
     if any(isinstance(m, LowRankLinear) for m in model.modules()):
         fused = cpu and kernels.lowrank() is not None
         parts.append("low-rank: fused kernel for decoding, BLAS for prefill" if fused else "low-rank: two matmuls (torch)")

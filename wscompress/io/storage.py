@@ -21,6 +21,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from ..errors import UsageError
 from ..model.arch import get_module, set_module
@@ -108,7 +109,7 @@ def resident_bytes(model: nn.Module) -> int:
     and any layout a layer prepared for its kernel (``_layout``), whatever the file holds."""
     tensors = [*model.parameters(), *model.buffers()]
     for module in model.modules():
-        tensors += [t for t in getattr(module, "_layout", ()) if isinstance(t, torch.Tensor)]
+        tensors += [t for t in tree_leaves(getattr(module, "_layout", ())) if isinstance(t, torch.Tensor)]
     return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if not t.is_meta}.values())
 
 

@@ -41,7 +41,7 @@ def _disabled() -> bool:
 
 # Kernels registered as PyTorch operators (torch.ops.wscompress.*), which a compiled graph calls
 # like any aten op; the others are plain Python modules (calibration's, never inside a graph).
-OPERATORS = {"lut": ("lut_linear", "lut_dense"), "lowrank": ("lowrank_linear",)}
+OPERATORS = {"lut": ("lut_linear", "lut_linear_q8", "lut_dense"), "lowrank": ("lowrank_linear",)}
 
 
 # Intel's AVX-512 gathers fetch a palettized row's pairs of weights in one instruction, 1.2-1.3x
@@ -63,7 +63,7 @@ def _load(source: str) -> tuple[ModuleType | None, str]:
 
         module = load(name=f"wscompress_{source}", sources=[str(_staged(HERE / f"{source}.cpp", build))],
                       build_directory=str(build), verbose=False,
-                      extra_cflags=["-O3", "-march=native", "-fopenmp", *GATHER.get(cpu_vendor(), [])],
+                      extra_cflags=["-O3", f"-march={_march()}", "-fopenmp", *GATHER.get(cpu_vendor(), [])],
                       extra_ldflags=["-fopenmp"], is_python_module=source not in OPERATORS)
         if source in OPERATORS:
             module = torch.ops.wscompress
@@ -71,7 +71,14 @@ def _load(source: str) -> tuple[ModuleType | None, str]:
     except Exception as err:  # noqa: BLE001 - any build or load failure means: use the torch path
         return None, f"not built ({_why(err)})"
     flags = cpu_flags()
-    return module, f"{source}.cpp ({'AVX-512' if 'avx512f' in flags else 'AVX2' if 'avx2' in flags else 'scalar'})"
+    isa = 'AVX-512' if 'avx512f' in flags else 'AVX2' if 'avx2' in flags else 'scalar'
+    return module, f"{source}.cpp ({isa if _march() == 'native' else f'-march={_march()}'})"
+
+
+def _march() -> str:
+    """The CPU the kernels are compiled for: this one, or ``WSCOMPRESS_MARCH`` (e.g. ``haswell``
+    for AVX2 only, to test or time another machine's path on this one)."""
+    return os.environ.get("WSCOMPRESS_MARCH", "native")
 
 
 def _shape_rules(source: str) -> None:
@@ -79,6 +86,8 @@ def _shape_rules(source: str) -> None:
     if source == "lut":
         torch.library.register_fake("wscompress::lut_linear")(
             lambda x, idx, tables, width, group_size, out, row_ptr, col, delta: x.new_empty(x.shape[0], out))
+        torch.library.register_fake("wscompress::lut_linear_q8")(
+            lambda x, idx, tables, scales, width, group_size, out, row_ptr, col, delta: x.new_empty(x.shape[0], out))
         torch.library.register_fake("wscompress::lut_dense")(
             lambda idx, tables, width, group_size, out, in_features, row_ptr, col, delta: tables.new_empty(out, in_features))
     else:
@@ -97,7 +106,7 @@ def _build_folder() -> str:
 
     where = hashlib.sha1(str(Path(torch.__file__).resolve().parent).encode()).hexdigest()[:10]
     cpu = hashlib.sha1(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:8]
-    return f"torch-{torch.__version__}-{where}-{cpu}"
+    return f"torch-{torch.__version__}-{where}-{cpu}" + ("" if _march() == "native" else f"-{_march()}")
 
 
 def _staged(src: Path, build: Path) -> Path:
@@ -224,12 +233,15 @@ _NO_OUTLIERS = SparseRows(*(torch.empty(0, dtype=t) for t in (torch.int64, torch
 
 
 def palettized_linear(x: torch.Tensor, indices: torch.Tensor, width: int, tables: torch.Tensor, group_size: int,
-                      out_features: int, outliers: SparseRows | None = None) -> torch.Tensor | None:
+                      out_features: int, outliers: SparseRows | None = None,
+                      rounded: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
     """x @ Wᵀ (no bias) for a palettized W whose row r reads ``tables[r // group_size]`` at its
     indices (``width`` 4: two per byte, low nibble first; 8: one per byte) plus the ``outliers``'
     corrections, or None where the kernel does not apply (gradients needed, kernels
     unavailable, on CPU not float32, on CUDA more than DECODE_ROWS rows: prefill is
-    compute-bound, and cuBLAS on the weight decoded by torch wins there)."""
+    compute-bound, and cuBLAS on the weight decoded by torch wins there). Decoding on CPU
+    multiplies 8-bit activations by the ``rounded`` tables (``modeling_wscompress.round_tables``)
+    where they are given and the CPU has the instructions (``Q8``)."""
     if torch.is_grad_enabled() and (x.requires_grad or tables.requires_grad):
         return None
     if _triton_path(x):
@@ -238,12 +250,31 @@ def palettized_linear(x: torch.Tensor, indices: torch.Tensor, width: int, tables
     if module is None or x.device.type != "cpu" or x.dtype != torch.float32:
         return None
     flat = x.reshape(-1, x.shape[-1]).contiguous()
-    tables = tables.detach().float().contiguous()
     sparse = outliers or _NO_OUTLIERS
     if flat.shape[0] > DECODE_ROWS:  # prefill: decode this layer's dense weight once (transient), the BLAS multiplies
-        w = module.lut_dense(indices, tables, width, group_size, out_features, flat.shape[1], *sparse)
+        w = module.lut_dense(indices, tables.detach().float().contiguous(), width, group_size, out_features, flat.shape[1], *sparse)
         return F.linear(flat, w).view(*x.shape[:-1], out_features)
-    return module.lut_linear(flat, indices, tables, width, group_size, out_features, *sparse).view(*x.shape[:-1], out_features)
+    if rounded is not None and q8(width):
+        y = module.lut_linear_q8(flat, indices, *rounded, width, group_size, out_features, *sparse)
+    else:
+        y = module.lut_linear(flat, indices, tables.detach().float().contiguous(), width, group_size, out_features, *sparse)
+    return y.view(*x.shape[:-1], out_features)
+
+
+_q8: dict[int, bool] = {}  # q8()'s answers by index width (a global: a compiled graph reads it as a constant)
+
+
+def q8(width: int) -> bool:
+    """Whether decoding multiplies 8-bit activations (``lut_linear_q8``) for tables of this index
+    width: nibbles where the LUT kernels are built with AVX2 or AVX-512 BW/VBMI/VNNI, bytes of
+    pairs with the latter only (on AVX2 their look-ups cost more than the float path's), unless
+    ``WSCOMPRESS_Q8=0`` keeps float activations. Rounding the activations to 8 bits a block of
+    32 moves the decoded tokens' perplexity by the figure docs/runtime.md gives; prefill and
+    evaluation stay in float."""
+    if width not in _q8:
+        _q8[width] = (os.environ.get("WSCOMPRESS_Q8", "1") != "0" and lut() is not None
+                      and bool(torch.ops.wscompress.lut_q8(width)))
+    return _q8[width]
 
 
 def _compiled_ops():

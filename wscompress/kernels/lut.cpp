@@ -16,7 +16,10 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <vector>
 
 namespace {
 
@@ -254,6 +257,299 @@ torch::Tensor run(const torch::Tensor& x, const torch::Tensor& idx, const torch:
   return y;
 }
 
+// ---- Decoding with byte products (lut_linear_q8) ----
+// The float path above spends its time looking up tables that do not fit in registers (a
+// dependent load or gather per index), not reading memory. Here each group's table comes
+// rounded to 12-bit integers with a scale, split into a high byte and a low nibble
+// (modeling_wscompress.round_tables: 8 bits cost 1 % of perplexity, docs/runtime.md), each input
+// row as two signed bytes a value with a scale per block of 32 (Q8X), and every product is of
+// bytes, as in llama.cpp's Q4_0 x Q8_0 product. On AVX-512 (BW, VBMI, VNNI) a 256-entry byte
+// table sits in four registers and two two-source byte permutes and a blend look up 64 indices
+// (a nibble table: one register, a byte shuffle per 64), and VPDPBUSD multiplies 64 bytes into
+// the sums in one instruction. On AVX2 nibble tables take VPSHUFB and VPMADDUBSW; there byte
+// indices keep the float path, which was faster than a gather or 16 loads a block. Layouts:
+// scalar nibble tables (width 4, D 1), and on AVX-512 byte indices of single weights (5-8-bit
+// scalar tables) and of pairs (the 3- and 4-bit recipes); rows of a multiple of 32 weights.
+constexpr int QBLOCK = 32;  // weights an activation scale covers
+
+#if defined(__AVX512BW__) && defined(__AVX512VBMI__) && defined(__AVX512VNNI__)
+#define WSCOMPRESS_Q8_512
+#define WSCOMPRESS_Q8
+constexpr int QSTEP = 64;  // index bytes a step
+#elif defined(__AVX2__)
+#define WSCOMPRESS_Q8
+constexpr int QSTEP = 32;
+#endif
+
+#ifdef WSCOMPRESS_Q8
+// Input rows as the kernel reads them: each value x of a block of 32 is s (q1 + q2 / 256) with
+// s = the block's largest magnitude / 127 and q1, q2 signed bytes (q2 rounds what q1 left, so
+// the row keeps about 16 bits: 8 alone cost 0.15 % of perplexity, docs/runtime.md). at(c, t, m):
+// term t (q1, q2) of row m for component c: the weights a byte's first and second components
+// multiply (x[2q], x[2q + 1]: nibble layouts hold weights 2q and 2q + 1 in byte q, pairs
+// layouts index q names them), or with `natural` (a byte a weight, one component) all of them in
+// order; zero-padded to whole steps. `lane`: s / 256 for each sum lane (4 bytes: 8 weights, or
+// 4 in order); `offset`: what the tables' hi bytes add to each lane's integer sum (VPDPBUSD
+// takes them unsigned, hi + 128), taken away before the sum becomes a float, where it would
+// cancel against the sum's digits.
+struct Q8X {
+  int64_t span, lanes, parts;
+  std::vector<int8_t> bytes;
+  std::vector<float> lane;
+  std::vector<int32_t> offset;
+
+  Q8X(const float* x, int64_t M, int64_t in, bool natural)
+      : span(((natural ? in : in / 2) + QSTEP - 1) / QSTEP * QSTEP), lanes(span / 4), parts(natural ? 1 : 2),
+        bytes(M * 2 * parts * span), lane(M * lanes), offset(M * lanes) {
+    const int per_block = natural ? QBLOCK / 4 : QBLOCK / 8;  // lanes a block
+    std::vector<int8_t> q1(in), q2(in);
+    for (int64_t m = 0; m < M; ++m) {
+      for (int64_t b = 0; b < in / QBLOCK; ++b) {
+        const float* xb = x + m * in + b * QBLOCK;
+        float amax = 0.f;
+        for (int j = 0; j < QBLOCK; ++j) amax = std::max(amax, std::fabs(xb[j]));
+        const float scale = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+        for (int64_t j = b * QBLOCK; j < (b + 1) * QBLOCK; ++j) {
+          const float v = xb[j - b * QBLOCK] * inv, r = std::nearbyint(v);
+          q1[j] = static_cast<int8_t>(r);
+          q2[j] = static_cast<int8_t>(std::clamp(std::nearbyint((v - r) * 256.f), -127.f, 127.f));
+        }
+        for (int l = 0; l < per_block; ++l) lane[m * lanes + b * per_block + l] = scale / 256.f;
+      }
+      // a lane's weights: 8 (2 a byte) from weight 8 l, or 4 in order; hi counts 4096 q1 + 16 q2
+      const int64_t per_lane = QBLOCK / per_block;
+      for (int64_t l = 0; l < in / per_lane; ++l) {
+        int32_t s1 = 0, s2 = 0;
+        for (int64_t j = l * per_lane; j < (l + 1) * per_lane; ++j) s1 += q1[j], s2 += q2[j];
+        offset[m * lanes + l] = 128 * (4096 * s1 + 16 * s2);
+      }
+      for (int t = 0; t < 2; ++t) {
+        const int8_t* q = t ? q2.data() : q1.data();
+        if (natural)
+          std::copy(q, q + in, at(0, t, m));
+        else
+          for (int64_t j = 0; j < in / 2; ++j) at(0, t, m)[j] = q[2 * j], at(1, t, m)[j] = q[2 * j + 1];
+      }
+    }
+  }
+
+  int8_t* at(int c, int t, int64_t m) { return bytes.data() + ((m * 2 + t) * parts + c) * span; }
+  const int8_t* at(int c, int t, int64_t m) const { return bytes.data() + ((m * 2 + t) * parts + c) * span; }
+};
+
+#ifdef WSCOMPRESS_Q8_512
+// A group's table in registers: each value v (12 bits, see round_tables) as 16 hi + lo, hi a
+// signed byte held unsigned (hi + 128: VPDPBUSD's unsigned operand) and lo in 0..15. Byte
+// indices: component c of entry e is byte e of hi[4c .. 4c + 3], the lo nibbles of both
+// components byte e of lo[0 .. 3] (component c at bit 4c); nibbles: entry e is byte e of every
+// 128-bit lane of hi[0] and lo[0].
+template <int W, int D>
+struct Q8Table {
+  __m512i hi[W == 8 ? 4 * D : 1], lo[W == 8 ? 4 : 1];
+  float scale;
+
+  // q: the group's hi bytes (component-major, D x 256 or 16 for nibbles), then its lo bytes (256, or 16)
+  void load(const int8_t* q, float scale_) {
+    scale = scale_;
+    const __m512i offset = _mm512_set1_epi8(static_cast<char>(0x80));
+    if constexpr (W == 8) {
+      for (int i = 0; i < 4 * D; ++i) hi[i] = _mm512_xor_si512(_mm512_loadu_si512(q + 64 * i), offset);
+      for (int i = 0; i < 4; ++i) lo[i] = _mm512_loadu_si512(q + 256 * D + 64 * i);
+    } else {
+      hi[0] = _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))), offset);
+      lo[0] = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)));
+    }
+  }
+
+  // the hi and lo bytes of the components of 64 index bytes (n of them real, the rest read as 0):
+  // two components for nibbles (weights 2q, 2q + 1) and pairs, one for single weights by byte
+  inline void decode(const uint8_t* p, int64_t n, __m512i (&h)[2], __m512i (&l)[2]) const {
+    const __m512i id = n >= 64 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi8((1ULL << n) - 1, p);
+    if constexpr (W == 8) {
+      const __mmask64 high = _mm512_movepi8_mask(id);  // index >= 128
+      auto look = [&](const __m512i* t) {
+        return _mm512_mask_blend_epi8(high, _mm512_permutex2var_epi8(t[0], id, t[1]), _mm512_permutex2var_epi8(t[2], id, t[3]));
+      };
+      for (int c = 0; c < D; ++c) h[c] = look(hi + 4 * c);
+      l[0] = look(lo);
+      if constexpr (D == 2) {
+        const __m512i nibble = _mm512_set1_epi8(15);
+        l[1] = _mm512_and_si512(_mm512_srli_epi16(l[0], 4), nibble), l[0] = _mm512_and_si512(l[0], nibble);
+      }
+    } else {
+      const __m512i nibble = _mm512_set1_epi8(15);
+      const __m512i a = _mm512_and_si512(id, nibble), b = _mm512_and_si512(_mm512_srli_epi16(id, 4), nibble);
+      h[0] = _mm512_shuffle_epi8(hi[0], a), h[1] = _mm512_shuffle_epi8(hi[0], b);
+      l[0] = _mm512_shuffle_epi8(lo[0], a), l[1] = _mm512_shuffle_epi8(lo[0], b);
+    }
+  }
+};
+
+template <int W, int D, int M, int N>
+inline void q8_block(const Q8Table<W, D>& tab, const Q8X& x, const uint8_t* idx, int64_t row_bytes, Sparse sp,
+                     const float* xf, int64_t in, int64_t out, float* y, int64_t r) {
+  constexpr bool natural = W == 8 && D == 1;
+  __m512 acc[N][M];
+  for (int i = 0; i < N; ++i)
+    for (int m = 0; m < M; ++m) acc[i][m] = _mm512_setzero_ps();
+  constexpr int C = natural ? 1 : 2;  // components a byte
+  for (int64_t q = 0; q < row_bytes; q += 64) {
+    __m512i xs[M][2][C], off[M];  // term, component
+    __m512 sc[M];
+    for (int m = 0; m < M; ++m) {
+      for (int t = 0; t < 2; ++t)
+        for (int c = 0; c < C; ++c) xs[m][t][c] = _mm512_loadu_si512(x.at(c, t, m) + q);
+      sc[m] = _mm512_loadu_ps(x.lane.data() + m * x.lanes + q / 4);
+      off[m] = _mm512_loadu_si512(x.offset.data() + m * x.lanes + q / 4);
+    }
+    for (int i = 0; i < N; ++i) {
+      __m512i h[2], l[2];
+      tab.decode(idx + (r + i) * row_bytes + q, row_bytes - q, h, l);
+      for (int m = 0; m < M; ++m) {
+        auto dot = [&](const __m512i (&w)[2], int t) {  // the components' sums against term t
+          __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], xs[m][t][0]);
+          if constexpr (C == 2) d = _mm512_dpbusd_epi32(d, w[1], xs[m][t][1]);
+          return d;
+        };
+        // (16 hi + lo)(256 q1 + q2) without lo q2, which stays below 2^-12 of the largest product
+        const __m512i first = _mm512_add_epi32(_mm512_slli_epi32(dot(h, 0), 4), dot(l, 0));
+        const __m512i d = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(first, 8), _mm512_slli_epi32(dot(h, 1), 4)), off[m]);
+        acc[i][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), sc[m], acc[i][m]);
+      }
+    }
+  }
+  for (int i = 0; i < N; ++i)
+    for (int m = 0; m < M; ++m) {
+      float s = tab.scale * _mm512_reduce_add_ps(acc[i][m]);
+      if (sp.row_ptr)
+        for (int64_t p = sp.row_ptr[r + i]; p < sp.row_ptr[r + i + 1]; ++p) s += sp.delta[p] * xf[m * in + sp.col[p]];
+      y[m * out + r + i] = s;
+    }
+}
+#else
+// AVX2, nibbles only (byte indices would need a gather or 16 loads a block, slower than the
+// float path): hi signed, lo in 0..15, the 16 entries of each in both 128-bit lanes.
+template <int W, int D>
+struct Q8Table {
+  __m256i hi, lo;
+  float scale;
+
+  void load(const int8_t* q, float scale_) {
+    scale = scale_;
+    hi = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+    lo = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)));
+  }
+};
+
+// VPMADDUBSW multiplies unsigned by signed bytes: |hi| by x with hi's sign (a pair's sum fits 16
+// bits), lo (0..15) by x as they are.
+inline __m256i q8_dot_signed(__m256i w, __m256i x) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)), _mm256_set1_epi16(1));
+}
+
+template <int W, int D, int M, int N>
+inline void q8_block(const Q8Table<W, D>& tab, const Q8X& x, const uint8_t* idx, int64_t row_bytes, Sparse sp,
+                     const float* xf, int64_t in, int64_t out, float* y, int64_t r) {
+  __m256 acc[N][M];
+  for (int i = 0; i < N; ++i)
+    for (int m = 0; m < M; ++m) acc[i][m] = _mm256_setzero_ps();
+  const __m256i nibble = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  for (int64_t q = 0; q < row_bytes; q += 32) {  // 64 weights a step; the last may hold 32
+    __m256i xs[M][2][2];  // term, component
+    __m256 sc[M];
+    for (int m = 0; m < M; ++m) {
+      for (int t = 0; t < 2; ++t)
+        for (int c = 0; c < 2; ++c) xs[m][t][c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.at(c, t, m) + q));
+      sc[m] = _mm256_loadu_ps(x.lane.data() + m * x.lanes + q / 4);
+    }
+    for (int i = 0; i < N; ++i) {
+      const uint8_t* p = idx + (r + i) * row_bytes + q;
+      const __m256i id = row_bytes - q >= 32 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+                                             : _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+      const __m256i a = _mm256_and_si256(id, nibble), b = _mm256_and_si256(_mm256_srli_epi16(id, 4), nibble);
+      const __m256i h0 = _mm256_shuffle_epi8(tab.hi, a), h1 = _mm256_shuffle_epi8(tab.hi, b);
+      const __m256i l0 = _mm256_shuffle_epi8(tab.lo, a), l1 = _mm256_shuffle_epi8(tab.lo, b);
+      for (int m = 0; m < M; ++m) {
+        auto hi = [&](int t) { return _mm256_add_epi32(q8_dot_signed(h0, xs[m][t][0]), q8_dot_signed(h1, xs[m][t][1])); };
+        const __m256i lo = _mm256_madd_epi16(
+            _mm256_add_epi16(_mm256_maddubs_epi16(l0, xs[m][0][0]), _mm256_maddubs_epi16(l1, xs[m][0][1])), ones);
+        // (16 hi + lo)(256 q1 + q2) without lo q2, which stays below 2^-12 of the largest product
+        const __m256i first = _mm256_add_epi32(_mm256_slli_epi32(hi(0), 4), lo);
+        const __m256i d = _mm256_add_epi32(_mm256_slli_epi32(first, 8), _mm256_slli_epi32(hi(1), 4));
+        acc[i][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), sc[m], acc[i][m]);
+      }
+    }
+  }
+  for (int i = 0; i < N; ++i)
+    for (int m = 0; m < M; ++m) {
+      float s = tab.scale * sum8(acc[i][m]);
+      if (sp.row_ptr)
+        for (int64_t p = sp.row_ptr[r + i]; p < sp.row_ptr[r + i + 1]; ++p) s += sp.delta[p] * xf[m * in + sp.col[p]];
+      y[m * out + r + i] = s;
+    }
+}
+#endif
+
+// Rows r0 .. r1: R at a time where they share a table, one at a time across a group's edge.
+template <int W, int D, int M, int R>
+void q8_rows(const Q8X& x, const float* xf, const uint8_t* idx, const int8_t* tables, const float* scales, int64_t gs,
+             int64_t in, int64_t out, Sparse sp, float* y, int64_t r0, int64_t r1) {
+  constexpr int64_t size = W == 8 ? 256 * D + 256 : 32;  // a group's table: hi and lo bytes
+  const int64_t row_bytes = in * W / 8 / D;
+  Q8Table<W, D> tab;
+  int64_t loaded = -1;
+  for (int64_t r = r0; r < r1;) {
+    const int64_t g = r / gs;
+    if (g != loaded) tab.load(tables + g * size, scales[g]), loaded = g;
+    if (r + R <= r1 && (r + R - 1) / gs == g) {
+      q8_block<W, D, M, R>(tab, x, idx, row_bytes, sp, xf, in, out, y, r);
+      r += R;
+    } else {
+      q8_block<W, D, M, 1>(tab, x, idx, row_bytes, sp, xf, in, out, y, r);
+      r += 1;
+    }
+  }
+}
+
+template <int W, int D, int M>
+void q8_gemv(const float* xf, const uint8_t* idx, const int8_t* tables, const float* scales, int64_t gs, int64_t in,
+             int64_t out, Sparse sp, float* y) {
+  constexpr int R = M == 1 || M == 2 ? 4 : M <= 4 ? 2 : 1;
+  const Q8X x(xf, M, in, W == 8 && D == 1);
+  at::parallel_for(0, out, 64, [&](int64_t r0, int64_t r1) { q8_rows<W, D, M, R>(x, xf, idx, tables, scales, gs, in, out, sp, y, r0, r1); });
+}
+#endif  // WSCOMPRESS_Q8
+
+#ifdef WSCOMPRESS_Q8
+template <int W, int D>
+torch::Tensor run_q8(const torch::Tensor& x, const torch::Tensor& idx, const torch::Tensor& tables,
+                     const torch::Tensor& scales, int64_t group_size, int64_t out, Sparse sp) {
+  const int64_t batch = x.size(0), in = x.size(1);
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* ip = idx.data_ptr<uint8_t>();
+  const int8_t* tp = tables.data_ptr<int8_t>();
+  const float* sc = scales.data_ptr<float>();
+  auto y = torch::empty({batch, out}, x.options());
+  float* yp = y.data_ptr<float>();
+  for (int64_t m0 = 0; m0 < batch; m0 += 8) {
+    const int64_t m = std::min<int64_t>(8, batch - m0);
+    const float* xm = xp + m0 * in;
+    float* ym = yp + m0 * out;
+    switch (m) {
+      case 1: q8_gemv<W, D, 1>(xm, ip, tp, sc, group_size, in, out, sp, ym); break;
+      case 2: q8_gemv<W, D, 2>(xm, ip, tp, sc, group_size, in, out, sp, ym); break;
+      case 3: q8_gemv<W, D, 3>(xm, ip, tp, sc, group_size, in, out, sp, ym); break;
+      case 4: q8_gemv<W, D, 4>(xm, ip, tp, sc, group_size, in, out, sp, ym); break;
+      case 5: q8_gemv<W, D, 5>(xm, ip, tp, sc, group_size, in, out, sp, ym); break;
+      case 6: q8_gemv<W, D, 6>(xm, ip, tp, sc, group_size, in, out, sp, ym); break;
+      case 7: q8_gemv<W, D, 7>(xm, ip, tp, sc, group_size, in, out, sp, ym); break;
+      default: q8_gemv<W, D, 8>(xm, ip, tp, sc, group_size, in, out, sp, ym);
+    }
+  }
+  return y;
+}
+#endif
+
 // f<W, D>(...) for the runtime width and vector length
 template <template <int, int> class F, typename... A>
 auto dispatch(int64_t width, int64_t d, A&&... a) {
@@ -329,6 +625,50 @@ torch::Tensor lut_linear(torch::Tensor x, torch::Tensor idx, torch::Tensor table
   return dispatch<Linear>(width, d, x, idx, tables, group_size, out, sparse(row_ptr, col, delta, out));
 }
 
+// Whether this build multiplies 8-bit activations for tables of this index width (lut_linear_q8).
+bool lut_q8(int64_t width) {
+#ifdef WSCOMPRESS_Q8_512
+  return width == 4 || width == 8;
+#elif defined(WSCOMPRESS_Q8)
+  return width == 4;
+#else
+  return false;
+#endif
+}
+
+// lut_linear on 8-bit activations: tables int8 from round_tables, each group's values over its
+// scale (scales (groups) float32) as hi bytes (D, K) and lo nibbles (K), K = 16 for nibbles
+// (width 4, D 1), 256 for byte indices (width 8) of D = 1 or 2 weights; rows of a multiple of 32
+// weights (see lut_q8).
+torch::Tensor lut_linear_q8(torch::Tensor x, torch::Tensor idx, torch::Tensor tables, torch::Tensor scales,
+                            int64_t width, int64_t group_size, int64_t out, torch::Tensor row_ptr, torch::Tensor col,
+                            torch::Tensor delta) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x: contiguous float32 (batch, in)");
+  const int64_t in = x.size(1);
+  TORCH_CHECK(lut_q8(width), "this build has no 8-bit path for width ", width, " (see lut_q8)");
+  TORCH_CHECK(in % QBLOCK == 0, "rows of a multiple of 32 weights");
+  TORCH_CHECK(group_size > 0 && out % group_size == 0, "group_size must divide out");
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat && scales.is_contiguous() && scales.numel() == out / group_size,
+              "scales: contiguous float32, one per group");
+  const int64_t per_group = tables.numel() / std::max<int64_t>(out / group_size, 1);
+  const int64_t d = width == 8 ? per_group / 256 - 1 : 1;
+  TORCH_CHECK(tables.scalar_type() == torch::kChar && tables.is_contiguous() &&
+                  tables.numel() == out / group_size * per_group && (width == 4 ? per_group == 32 : per_group % 256 == 0 && (d == 1 || d == 2)),
+              "tables: contiguous int8, (groups, 32) for width 4, (groups, (D + 1) x 256) with D 1 or 2 for width 8");
+  TORCH_CHECK(idx.scalar_type() == torch::kUInt8 && idx.is_contiguous() && idx.numel() * 8 * d == out * in * width,
+              "idx: contiguous uint8, one index per ", d, " weights");
+  const Sparse sp = sparse(row_ptr, col, delta, out);
+#ifdef WSCOMPRESS_Q8_512
+  if (width == 8) return d == 1 ? run_q8<8, 1>(x, idx, tables, scales, group_size, out, sp)
+                                : run_q8<8, 2>(x, idx, tables, scales, group_size, out, sp);
+#endif
+#ifdef WSCOMPRESS_Q8
+  return run_q8<4, 1>(x, idx, tables, scales, group_size, out, sp);
+#else
+  return {};  // unreachable: lut_q8 said no
+#endif
+}
+
 // The dense (out, in) weight, outliers included (prefill decodes it and hands it to the BLAS).
 torch::Tensor lut_dense(torch::Tensor idx, torch::Tensor tables, int64_t width, int64_t group_size, int64_t out,
                         int64_t in, torch::Tensor row_ptr, torch::Tensor col, torch::Tensor delta) {
@@ -342,11 +682,15 @@ torch::Tensor lut_dense(torch::Tensor idx, torch::Tensor tables, int64_t width, 
 TORCH_LIBRARY_FRAGMENT(wscompress, m) {
   m.def("lut_linear(Tensor x, Tensor idx, Tensor tables, int width, int group_size, int out, Tensor row_ptr, "
         "Tensor col, Tensor delta) -> Tensor");
+  m.def("lut_linear_q8(Tensor x, Tensor idx, Tensor tables, Tensor scales, int width, int group_size, int out, "
+        "Tensor row_ptr, Tensor col, Tensor delta) -> Tensor");
+  m.def("lut_q8(int width) -> bool", &lut_q8);
   m.def("lut_dense(Tensor idx, Tensor tables, int width, int group_size, int out, int in_features, Tensor row_ptr, "
         "Tensor col, Tensor delta) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(wscompress, CPU, m) {
   m.impl("lut_linear", &lut_linear);
+  m.impl("lut_linear_q8", &lut_linear_q8);
   m.impl("lut_dense", &lut_dense);
 }

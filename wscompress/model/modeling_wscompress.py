@@ -209,6 +209,33 @@ class SparseRows(NamedTuple):
         return cls(row_ptr, (pos % shape[1]).to(torch.int32), delta[order].float().contiguous())
 
 
+class KernelLayout(NamedTuple):
+    """A palettized layer as the look-up-table kernels read it (``PalettizedLinear.kernel_layout``)."""
+    indices: torch.Tensor  # uint8: nibbles (``width`` 4) or bytes (8)
+    width: int
+    outliers: SparseRows | None
+    tables: torch.Tensor  # (groups, K) or (groups, K, d), float
+    rounded: tuple[torch.Tensor, torch.Tensor] | None  # the tables as 8-bit integers and their scales, see below
+
+
+def round_tables(tables: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tables as kernels multiplying 8-bit activations read them: each group's values over
+    one scale (its largest magnitude / 2047) rounded to 12-bit integers v = 16·hi + lo, padded to
+    the index width's reach (K = 16 entries for nibbles, 256 for bytes), stored per group as the
+    signed bytes hi, component-major (d, K), then the nibbles lo (K bytes, a pair's two at bits 0
+    and 4): (groups, d·K + K) int8; and the scales (groups,) float32. Rounding to 8 bits instead
+    cost 1 % of perplexity (docs/runtime.md); at 12 a value moves by at most 1/4094 of its group's
+    largest."""
+    t = tables.detach().float().reshape(tables.shape[0], tables.shape[1], -1).transpose(1, 2)  # (groups, d, K)
+    t = F.pad(t, (0, (16 if width == 4 else 256) - t.shape[2]))
+    scale = t.abs().amax((1, 2)).clamp_min(torch.finfo(torch.float32).tiny) / 2047
+    v = (t / scale[:, None, None]).round().clamp(-2047, 2047).to(torch.int32)
+    hi, lo = v.div(16, rounding_mode="floor"), v.remainder(16)
+    lo = (lo * 16 ** torch.arange(lo.shape[1])[:, None]).sum(1)  # (groups, K): component c at bit 4c
+    packed = torch.cat([hi.flatten(1).to(torch.int8), lo.to(torch.uint8).view(torch.int8)], 1)
+    return packed.contiguous(), scale.contiguous()
+
+
 # ----------------------------------------------------------------------------- the layers
 
 LAYERS: dict[str, type[nn.Module]] = {}  # class name -> class: what config.json's ``compression`` names
@@ -639,14 +666,16 @@ class PalettizedLinear(CompressedLinear):
             return F.linear(x, self.dense_weight().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
         return y if self.bias is None else y + self.bias
 
-    def kernel_layout(self) -> tuple[torch.Tensor, int, SparseRows | None, torch.Tensor] | None:
+    def kernel_layout(self) -> KernelLayout | None:
         """(indices as the LUT kernel reads them, their width, the outliers' corrections by row,
         the tables), prepared once and kept while indices, codebook and outliers stay the same:
         the stored bytes themselves at 4 and 8 bits, re-packed as nibbles (1-3 bits) or bytes
         (5-7 bits) otherwise; tables (groups, K) for scalar codebooks, (groups, K, d) for vectors
         of d = 2 or 4, of fewer than 16 entries padded to 16 for nibbles (once, not per call: on a
-        GPU each call's pad was one more kernel launch). None where a row's indices do not fill
-        whole bytes or the vectors are longer."""
+        GPU each call's pad was one more kernel launch); for scalar tables and byte-indexed pairs
+        on rows of a multiple of 32 weights, the tables rounded for the 8-bit kernels too
+        (``round_tables``). None where a row's indices do not fill whole bytes or the vectors
+        are longer."""
         d, cols = self.cluster_dim, self.in_features // self.cluster_dim
         if d not in (1, 2, 4) or cols % 2:
             return None
@@ -669,7 +698,9 @@ class PalettizedLinear(CompressedLinear):
             tables = self.codebook[..., 0] if d == 1 else self.codebook
             if width == 4 and tables.shape[1] < 16:
                 tables = F.pad(tables, (0, 0) * (d > 1) + (0, 16 - tables.shape[1]))
-            self._layout, self._layout_key = (layout, width, sparse, tables.detach().contiguous()), key
+            rounded = (round_tables(tables, width) if (width, d) in ((4, 1), (8, 1), (8, 2)) and self.in_features % 32 == 0
+                       else None)
+            self._layout, self._layout_key = KernelLayout(layout, width, sparse, tables.detach().contiguous(), rounded), key
         return self._layout
 
     def lut_forward(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -681,8 +712,8 @@ class PalettizedLinear(CompressedLinear):
         layout = self.kernel_layout()
         if layout is None:
             return None
-        indices, width, sparse, tables = layout
-        y = fast(x, indices, width, tables, self.group_size, self.out_features, sparse)
+        y = fast(x, layout.indices, layout.width, layout.tables, self.group_size, self.out_features, layout.outliers,
+                 layout.rounded)
         return y if y is None or self.scale is None else y * self.scale.to(y.dtype)  # None: the kernel declined
 
     def trainable_parameters(self) -> list[nn.Parameter]:

@@ -1,0 +1,132 @@
+"""What decoding by byte products (the LUT kernels' q8 path: 12-bit tables, activations as two
+bytes a value) gains in speed and costs in quality against the float path, in one run:
+
+1. ``--products``: single products at batch 1 on SmolLM2's shapes and a 4096 x 4096 one (larger
+   than the caches), for the layouts the path covers, with random tables and indices (speed does
+   not depend on them): microseconds, speed-up, and gigabytes of indices read a second.
+   ``WSCOMPRESS_MARCH=haswell`` times the AVX2 build on an AVX-512 machine.
+2. FOLDER ...: real compressed models: perplexity through the decode path itself
+   (teacher-forced, one token a step through the KV cache, batch 1: the rows the kernels take)
+   with each path, beside the prefill perplexity of the same windows (which the BLAS computes in
+   float either way), and the milliseconds a decoded token took in each.
+
+Usage: python scripts/bench_q8.py [--products] [FOLDER ...] [--windows 4] [--length 256] [--threads 1]
+(FOLDER: a model folder `wscompress compress` wrote, e.g. of configs/kmeans_4bit.yaml)
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from wscompress import kernels
+from wscompress.io import data, storage
+from wscompress.io.hardware import cpu_flags
+from wscompress.model.modeling_wscompress import round_tables
+
+TEXTS = ["builtin:wiki.test", "builtin:brown"]
+LAYOUTS = {  # label -> (index width, weights an index, table entries); tables per 64 rows
+    "scalar 4-bit (nibbles)": (4, 1, 16),
+    "scalar 8-bit (bytes)": (8, 1, 256),
+    "2-d, 8-bit indices (4-bit recipe)": (8, 2, 256),
+    "2-d, 6-bit indices (3-bit recipe)": (8, 2, 64),
+}
+SHAPES = [(576, 576), (1536, 576), (576, 1536), (4096, 4096)]  # (out, in)
+NONE = (torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int32), torch.empty(0))
+
+
+def best_us(f, calls: int) -> float:
+    f()
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(calls):
+            f()
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best * 1e6
+
+
+def products() -> None:
+    ops = torch.ops.wscompress
+    print("| layout | out x in | float µs | byte products µs | speed-up | GB/s of indices |")
+    print("|---|---|---|---|---|---|")
+    gen = torch.Generator().manual_seed(0)
+    for label, (width, d, k) in LAYOUTS.items():
+        if not kernels.q8(width):
+            print(f"| {label} | | | not on this build | | |")
+            continue
+        for out, inp in SHAPES:
+            tables = torch.randn(out // 64, k, d, generator=gen)
+            tables = tables[..., 0].contiguous() if d == 1 else tables
+            idx = torch.randint(0, 256 if width == 4 else k, (out * inp * width // 8 // d,), dtype=torch.uint8, generator=gen)
+            rounded, x = round_tables(tables, width), torch.randn(1, inp, generator=gen)
+            calls = 20 if out * inp > 1e7 else 200
+            fl = best_us(lambda: ops.lut_linear(x, idx, tables, width, 64, out, *NONE), calls)
+            q8 = best_us(lambda: ops.lut_linear_q8(x, idx, *rounded, width, 64, out, *NONE), calls)
+            print(f"| {label} | {out} x {inp} | {fl:.1f} | {q8:.1f} | {fl / q8:.2f}x | {idx.numel() / q8 / 1e3:.1f} |", flush=True)
+
+
+def step_by_step(model, window: torch.Tensor) -> tuple[float, int, float]:
+    """(summed NLL of tokens 1.., their count, seconds) decoding ``window`` one token a step."""
+    cache, nll = None, 0.0
+    start = time.perf_counter()
+    for t in range(window.numel() - 1):
+        out = model(input_ids=window[t: t + 1][None], past_key_values=cache, use_cache=True)
+        cache = out.past_key_values
+        nll += F.cross_entropy(out.logits[0, -1].float()[None], window[t + 1: t + 2]).item()
+    return nll, window.numel() - 1, time.perf_counter() - start
+
+
+def prefilled(model, window: torch.Tensor) -> float:
+    logits = model(input_ids=window[None], use_cache=False).logits[0, :-1].float()
+    return F.cross_entropy(logits, window[1:], reduction="sum").item()
+
+
+@torch.no_grad()
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("folders", nargs="*", type=Path)
+    ap.add_argument("--products", action="store_true", help="time single products first")
+    ap.add_argument("--windows", type=int, default=4, help="windows of each text")
+    ap.add_argument("--length", type=int, default=256, help="tokens a window")
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    flags = sorted(f for f in cpu_flags() if f.startswith(("avx2", "avx512", "avx_vnni")))
+    print(f"CPU flags: {' '.join(flags)}; kernels: {kernels.status()}; threads {args.threads}")
+    if args.products:
+        products()
+    if not args.folders:
+        return
+    print("| model | text | prefill ppl | decode ppl, float | decode ppl, byte products | x float | ms/token float | "
+          "ms/token byte products | speed-up |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for folder in args.folders:
+        model, tokenizer = storage.load(folder)
+        model.eval()
+        for text in TEXTS:
+            ids = data.tokenize(tokenizer, text, max_tokens=args.windows * args.length)
+            wins = [ids[i * args.length: (i + 1) * args.length] for i in range(args.windows)]
+            tokens = sum(w.numel() - 1 for w in wins)
+            prefill = math.exp(sum(prefilled(model, w) for w in wins) / tokens)
+            ppl, ms = {}, {}
+            for mode, on in (("float", False), ("q8", True)):  # each layout width as this CPU's build allows
+                kernels._q8.clear()
+                if not on:
+                    kernels._q8.update({4: False, 8: False})
+                runs = [step_by_step(model, w) for w in wins]
+                ppl[mode] = math.exp(sum(r[0] for r in runs) / tokens)
+                ms[mode] = 1e3 * sum(r[2] for r in runs) / tokens
+            kernels._q8.clear()
+            print(f"| {folder.name} | {text.split(':')[-1]} | {prefill:.3f} | {ppl['float']:.3f} | {ppl['q8']:.3f} | "
+                  f"{ppl['q8'] / ppl['float']:.4f} | {ms['float']:.1f} | {ms['q8']:.1f} | {ms['float'] / ms['q8']:.2f}x |",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
