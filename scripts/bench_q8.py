@@ -8,7 +8,9 @@ bytes a value) gains in speed and costs in quality against the float path, in on
 2. FOLDER ...: real compressed models: perplexity through the decode path itself
    (teacher-forced, one token a step through the KV cache, batch 1: the rows the kernels take)
    with each path, beside the prefill perplexity of the same windows (which the BLAS computes in
-   float either way), and the milliseconds a decoded token took in each.
+   float either way), and the milliseconds a decoded token took in each; then one product of
+   every palettized layer in turn (a token's worth) through each operator and through the
+   modules (whose difference is the eager path's cost around the kernels).
 
 Usage: python scripts/bench_q8.py [--products] [FOLDER ...] [--windows 4] [--length 256] [--threads 1]
 (FOLDER: a model folder `wscompress compress` wrote, e.g. of configs/kmeans_4bit.yaml)
@@ -109,6 +111,7 @@ def main() -> None:
     for folder in args.folders:
         model, tokenizer = storage.load(folder)
         model.eval()
+        name = folder.parent.name if folder.name == "model" else folder.name  # a run's <output>/model
         for text in TEXTS:
             ids = data.tokenize(tokenizer, text, max_tokens=args.windows * args.length)
             wins = [ids[i * args.length: (i + 1) * args.length] for i in range(args.windows)]
@@ -123,9 +126,34 @@ def main() -> None:
                 ppl[mode] = math.exp(sum(r[0] for r in runs) / tokens)
                 ms[mode] = 1e3 * sum(r[2] for r in runs) / tokens
             kernels._q8.clear()
-            print(f"| {folder.name} | {text.split(':')[-1]} | {prefill:.3f} | {ppl['float']:.3f} | {ppl['q8']:.3f} | "
+            print(f"| {name} | {text.split(':')[-1]} | {prefill:.3f} | {ppl['float']:.3f} | {ppl['q8']:.3f} | "
                   f"{ppl['q8'] / ppl['float']:.4f} | {ms['float']:.1f} | {ms['q8']:.1f} | {ms['float'] / ms['q8']:.2f}x |",
                   flush=True)
+        layer_times(model, name)
+
+
+def layer_times(model, name: str) -> None:
+    """Milliseconds of one batch-1 product of every palettized layer in turn."""
+    from wscompress.model.modeling_wscompress import PalettizedLinear
+
+    ops = torch.ops.wscompress
+    mods = [m for m in model.modules() if isinstance(m, PalettizedLinear)]
+    xs = [torch.randn(1, m.in_features) for m in mods]
+    for m, x in zip(mods, xs):
+        m(x)
+    layouts = [m.kernel_layout() for m in mods]
+    sparse = [layout.outliers or NONE for layout in layouts]
+    tables = [layout.tables.float().contiguous() for layout in layouts]  # as palettized_linear hands them over
+    runs = {
+        "float operator": lambda: [ops.lut_linear(x, a.indices, t, a.width, m.group_size, m.out_features, *o)
+                                   for m, a, t, o, x in zip(mods, layouts, tables, sparse, xs)],
+        "byte-product operator": lambda: [ops.lut_linear_q8(x, a.indices, *a.rounded, a.width, m.group_size,
+                                                            m.out_features, *o)
+                                          for m, a, o, x in zip(mods, layouts, sparse, xs) if a.rounded is not None],
+        "modules (byte products)": lambda: [m(x) for m, x in zip(mods, xs)]}
+    times = {label: best_us(f, 3) / 1e3 for label, f in runs.items()}
+    print(f"{name}: {len(mods)} palettized layers, one token: "
+          + ", ".join(f"{label} {ms:.1f} ms" for label, ms in times.items()), flush=True)
 
 
 if __name__ == "__main__":

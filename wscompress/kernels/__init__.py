@@ -147,6 +147,8 @@ def _bf16(source: str) -> tuple[ModuleType | None, str]:
     """A kernel that needs AVX-512 BF16, loaded (and built) only on a CPU that has it."""
     from ..io.hardware import cpu_flags
 
+    if _march() != "native":  # another CPU's build: calibration keeps the BLAS rather than guess its flags
+        return None, f"built for -march={_march()}"
     return _load(source) if "avx512_bf16" in cpu_flags() else (None, "this CPU has no AVX-512 BF16")
 
 

@@ -289,7 +289,7 @@ constexpr int QSTEP = 32;
 // multiply (x[2q], x[2q + 1]: nibble layouts hold weights 2q and 2q + 1 in byte q, pairs
 // layouts index q names them), or with `natural` (a byte a weight, one component) all of them in
 // order; zero-padded to whole steps. `lane`: s / 256 for each sum lane (4 bytes: 8 weights, or
-// 4 in order); `offset`: what the tables' hi bytes add to each lane's integer sum (VPDPBUSD
+// 4 in order); `offset` (AVX-512): what the tables' hi bytes add to each lane's integer sum (VPDPBUSD
 // takes them unsigned, hi + 128), taken away before the sum becomes a float, where it would
 // cancel against the sum's digits.
 struct Q8X {
