@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -230,30 +231,35 @@ void gemv(const float* x, const uint8_t* idx, const float* tables, int64_t k, in
   at::parallel_for(0, out, 64, [&](int64_t r0, int64_t r1) { gemv_rows<W, D, M, R>(x, idx, tables, k, gs, in, out, sp, y, r0, r1); });
 }
 
+// f(M, m0) for each chunk of at most 8 input rows from row m0, M (a compile-time constant) its rows
+template <typename F>
+void by_chunks(int64_t batch, F&& f) {
+  for (int64_t m0 = 0; m0 < batch; m0 += 8) {
+    switch (std::min<int64_t>(8, batch - m0)) {
+      case 1: f(std::integral_constant<int, 1>{}, m0); break;
+      case 2: f(std::integral_constant<int, 2>{}, m0); break;
+      case 3: f(std::integral_constant<int, 3>{}, m0); break;
+      case 4: f(std::integral_constant<int, 4>{}, m0); break;
+      case 5: f(std::integral_constant<int, 5>{}, m0); break;
+      case 6: f(std::integral_constant<int, 6>{}, m0); break;
+      case 7: f(std::integral_constant<int, 7>{}, m0); break;
+      default: f(std::integral_constant<int, 8>{}, m0);
+    }
+  }
+}
+
 template <int W, int D>
 torch::Tensor run(const torch::Tensor& x, const torch::Tensor& idx, const torch::Tensor& tables, int64_t group_size,
                   int64_t out, Sparse sp) {
-  const int64_t batch = x.size(0), in = x.size(1), k = tables.size(1);
+  const int64_t in = x.size(1), k = tables.size(1);
   const float* xp = x.data_ptr<float>();
   const uint8_t* ip = idx.data_ptr<uint8_t>();
   const float* tp = tables.data_ptr<float>();
-  auto y = torch::empty({batch, out}, x.options());
+  auto y = torch::empty({x.size(0), out}, x.options());
   float* yp = y.data_ptr<float>();
-  for (int64_t m0 = 0; m0 < batch; m0 += 8) {
-    const int64_t m = std::min<int64_t>(8, batch - m0);
-    const float* xm = xp + m0 * in;
-    float* ym = yp + m0 * out;
-    switch (m) {
-      case 1: gemv<W, D, 1>(xm, ip, tp, k, group_size, in, out, sp, ym); break;
-      case 2: gemv<W, D, 2>(xm, ip, tp, k, group_size, in, out, sp, ym); break;
-      case 3: gemv<W, D, 3>(xm, ip, tp, k, group_size, in, out, sp, ym); break;
-      case 4: gemv<W, D, 4>(xm, ip, tp, k, group_size, in, out, sp, ym); break;
-      case 5: gemv<W, D, 5>(xm, ip, tp, k, group_size, in, out, sp, ym); break;
-      case 6: gemv<W, D, 6>(xm, ip, tp, k, group_size, in, out, sp, ym); break;
-      case 7: gemv<W, D, 7>(xm, ip, tp, k, group_size, in, out, sp, ym); break;
-      default: gemv<W, D, 8>(xm, ip, tp, k, group_size, in, out, sp, ym);
-    }
-  }
+  by_chunks(x.size(0), [&](auto M, int64_t m0) {
+    gemv<W, D, decltype(M)::value>(xp + m0 * in, ip, tp, k, group_size, in, out, sp, yp + m0 * out);
+  });
   return y;
 }
 
@@ -337,6 +343,13 @@ struct Q8X {
   const int8_t* at(int c, int t, int64_t m) const { return bytes.data() + ((m * 2 + t) * parts + c) * span; }
 };
 
+// y[r] = sum plus row r's outlier corrections (on the float input row x)
+inline void q8_store(float sum, Sparse sp, const float* x, float* y, int64_t r) {
+  if (sp.row_ptr)
+    for (int64_t p = sp.row_ptr[r]; p < sp.row_ptr[r + 1]; ++p) sum += sp.delta[p] * x[sp.col[p]];
+  y[r] = sum;
+}
+
 #ifdef WSCOMPRESS_Q8_512
 // A group's table in registers: each value v (12 bits, see round_tables) as 16 hi + lo, hi a
 // signed byte held unsigned (hi + 128: VPDPBUSD's unsigned operand) and lo in 0..15. Byte
@@ -419,12 +432,7 @@ inline void q8_block(const Q8Table<W, D>& tab, const Q8X& x, const uint8_t* idx,
     }
   }
   for (int i = 0; i < N; ++i)
-    for (int m = 0; m < M; ++m) {
-      float s = tab.scale * _mm512_reduce_add_ps(acc[i][m]);
-      if (sp.row_ptr)
-        for (int64_t p = sp.row_ptr[r + i]; p < sp.row_ptr[r + i + 1]; ++p) s += sp.delta[p] * xf[m * in + sp.col[p]];
-      y[m * out + r + i] = s;
-    }
+    for (int m = 0; m < M; ++m) q8_store(tab.scale * _mm512_reduce_add_ps(acc[i][m]), sp, xf + m * in, y + m * out, r + i);
 }
 #else
 // AVX2, nibbles only (byte indices would need a gather or 16 loads a block, slower than the
@@ -481,12 +489,7 @@ inline void q8_block(const Q8Table<W, D>& tab, const Q8X& x, const uint8_t* idx,
     }
   }
   for (int i = 0; i < N; ++i)
-    for (int m = 0; m < M; ++m) {
-      float s = tab.scale * sum8(acc[i][m]);
-      if (sp.row_ptr)
-        for (int64_t p = sp.row_ptr[r + i]; p < sp.row_ptr[r + i + 1]; ++p) s += sp.delta[p] * xf[m * in + sp.col[p]];
-      y[m * out + r + i] = s;
-    }
+    for (int m = 0; m < M; ++m) q8_store(tab.scale * sum8(acc[i][m]), sp, xf + m * in, y + m * out, r + i);
 }
 #endif
 
@@ -524,28 +527,16 @@ void q8_gemv(const float* xf, const uint8_t* idx, const int8_t* tables, const fl
 template <int W, int D>
 torch::Tensor run_q8(const torch::Tensor& x, const torch::Tensor& idx, const torch::Tensor& tables,
                      const torch::Tensor& scales, int64_t group_size, int64_t out, Sparse sp) {
-  const int64_t batch = x.size(0), in = x.size(1);
+  const int64_t in = x.size(1);
   const float* xp = x.data_ptr<float>();
   const uint8_t* ip = idx.data_ptr<uint8_t>();
   const int8_t* tp = tables.data_ptr<int8_t>();
   const float* sc = scales.data_ptr<float>();
-  auto y = torch::empty({batch, out}, x.options());
+  auto y = torch::empty({x.size(0), out}, x.options());
   float* yp = y.data_ptr<float>();
-  for (int64_t m0 = 0; m0 < batch; m0 += 8) {
-    const int64_t m = std::min<int64_t>(8, batch - m0);
-    const float* xm = xp + m0 * in;
-    float* ym = yp + m0 * out;
-    switch (m) {
-      case 1: q8_gemv<W, D, 1>(xm, ip, tp, sc, group_size, in, out, sp, ym); break;
-      case 2: q8_gemv<W, D, 2>(xm, ip, tp, sc, group_size, in, out, sp, ym); break;
-      case 3: q8_gemv<W, D, 3>(xm, ip, tp, sc, group_size, in, out, sp, ym); break;
-      case 4: q8_gemv<W, D, 4>(xm, ip, tp, sc, group_size, in, out, sp, ym); break;
-      case 5: q8_gemv<W, D, 5>(xm, ip, tp, sc, group_size, in, out, sp, ym); break;
-      case 6: q8_gemv<W, D, 6>(xm, ip, tp, sc, group_size, in, out, sp, ym); break;
-      case 7: q8_gemv<W, D, 7>(xm, ip, tp, sc, group_size, in, out, sp, ym); break;
-      default: q8_gemv<W, D, 8>(xm, ip, tp, sc, group_size, in, out, sp, ym);
-    }
-  }
+  by_chunks(x.size(0), [&](auto M, int64_t m0) {
+    q8_gemv<W, D, decltype(M)::value>(xp + m0 * in, ip, tp, sc, group_size, in, out, sp, yp + m0 * out);
+  });
   return y;
 }
 #endif
