@@ -10,7 +10,8 @@ bytes a value) gains in speed and costs in quality against the float path, in on
    with each path, beside the prefill perplexity of the same windows (which the BLAS computes in
    float either way), and the milliseconds a decoded token took in each; then one product of
    every palettized layer in turn (a token's worth) through each operator and through the
-   modules (whose difference is the eager path's cost around the kernels).
+   modules (whose difference is the eager path's cost around the kernels), and the byte
+   products again with each layer's repeated from warm caches (what streaming them costs).
 
 Usage: python scripts/bench_q8.py [--products] [FOLDER ...] [--windows 4] [--length 256] [--threads 1]
 (FOLDER: a model folder `wscompress compress` wrote, e.g. of configs/kmeans_4bit.yaml)
@@ -152,6 +153,10 @@ def layer_times(model, name: str) -> None:
                                           for m, a, o, x in zip(mods, layouts, sparse, xs) if a.rounded is not None],
         "modules (byte products)": lambda: [m(x) for m, x in zip(mods, xs)]}
     times = {label: best_us(f, 3) / 1e3 for label, f in runs.items()}
+    # the same products, each layer's repeated while its indices stay in the caches: what streaming costs
+    times["byte-product operator, each layer from warm caches"] = sum(
+        best_us(lambda: ops.lut_linear_q8(x, a.indices, *a.rounded, a.width, m.group_size, m.out_features, *o), 10) / 1e3
+        for m, a, o, x in zip(mods, layouts, sparse, xs) if a.rounded is not None)
     print(f"{name}: {len(mods)} palettized layers, one token: "
           + ", ".join(f"{label} {ms:.1f} ms" for label, ms in times.items()), flush=True)
 
