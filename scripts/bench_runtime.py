@@ -76,8 +76,10 @@ MODELS = {  # label -> compress stages (empty: the dense model)
     "svd 40 %": [{"method": "svd", "whitening": False, "ratio": 0.4}],
 }
 # the tied embedding / head (one table): in a layout of the recipe's bits it costs 20-25 % of
-# perplexity; 8-bit scalar codebooks per 64 rows cost 0.2 % (docs/runtime.md)
+# perplexity; 8-bit scalar codebooks per 64 rows cost 0.2 %; float16 (what the shipped recipes
+# store) nothing measurable (docs/runtime.md)
 HEAD = {"targets": [r"model\.layers\.", "lm_head"]}
+HEAD_HALF = {"method": "half"}
 HEAD_8BIT = {**PLAIN, "bits": 8, "granularity": "grouped", "group_size": 64, "codebook_dtype": "float16",
              "targets": ["lm_head"]}
 RECIPES = {  # the shipped recipes' layouts (labels above)
@@ -87,6 +89,7 @@ RECIPES = {  # the shipped recipes' layouts (labels above)
 for _recipe, _label in RECIPES.items():
     MODELS[f"{_recipe} layout + tied embedding/head in it"] = [{**MODELS[_label][0], **HEAD}]
     MODELS[f"{_recipe} layout + 8-bit tied embedding/head"] = [MODELS[_label][0], HEAD_8BIT]
+    MODELS[f"{_recipe} layout + float16 tied embedding/head"] = [MODELS[_label][0], HEAD_HALF]  # the recipe as shipped
 
 
 def random_palettized(out: int, inp: int, stage: dict, gen: torch.Generator):

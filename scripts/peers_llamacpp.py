@@ -144,7 +144,8 @@ def wscompress_times(model, rounds: int, prompt: torch.Tensor, decoder: StaticDe
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    default = ["dense", RECIPES["configs/kmeans_4bit.yaml"], *(f"{r} layout + 8-bit tied embedding/head" for r in RECIPES)]
+    default = ["dense", RECIPES["configs/kmeans_4bit.yaml"], *(f"{r} layout + float16 tied embedding/head" for r in RECIPES),
+               "configs/kmeans_4bit.yaml layout + 8-bit tied embedding/head"]
     ap.add_argument("--models", nargs="+", default=default, choices=list(MODELS))
     ap.add_argument("--quants", nargs="+", default=list(QUANTS), choices=QUANTS)
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])

@@ -82,3 +82,52 @@ def test_factorize_twice_names_the_fix():
     compress(model, [{"method": "factorize_embeddings", "rank": 8}])
     with pytest.raises(UsageError, match="not an nn.Embedding"):
         compress(model, [{"method": "factorize_embeddings", "rank": 4}])
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama_mha"])  # tied, then a separate head
+def test_half_head_is_stored_once_in_16_bits_and_computes_as_its_rounded_weights(kind, tokenizer, tmp_path):
+    """The ``half`` stage stores the head in float16: a tied embedding reads the same table (stored
+    once, tied after loading), the model computes what the rounded weights give (decode steps by
+    the kernel, prefill by the torch path), the file shrinks by half the table, and a dense
+    export gives stock transformers the same model."""
+    from wscompress.model.modeling_wscompress import HalfLinear, PalettizedEmbedding
+
+    model = tiny_model(kind)
+    tied = model.config.tie_word_embeddings
+    w = model.get_output_embeddings().weight.detach().clone()
+    before = storage.stats(model)["tensor_bytes"]
+    x = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model.get_output_embeddings().weight.copy_(w.half().float())  # what the stage's rounding gives
+        rounded = model(x).logits
+        model.get_output_embeddings().weight.copy_(w)
+    (row,) = compress(model, [{"method": "half"}])
+    head, emb = model.get_output_embeddings(), model.get_input_embeddings()
+    assert isinstance(head, HalfLinear) and head.bits16.dtype == torch.int16 and row["layers"] == 1
+    assert isinstance(emb, PalettizedEmbedding) and emb.table is head if tied else isinstance(emb, torch.nn.Embedding)
+    assert storage.stats(model)["tensor_bytes"] == before - 512 * 64 * 2
+    with torch.no_grad():
+        torch.testing.assert_close(model(x).logits, rounded, rtol=1e-5, atol=1e-5)
+        out = model(x, use_cache=True)  # a decode step (one row a sequence) on the kernel path
+        step = model(x[:, :1], past_key_values=out.past_key_values).logits
+        model.get_output_embeddings().weight  # noqa: B018 - a dense copy on request, as peft reads it
+    model.to(torch.float64)  # the table stays 16 bits; rows and products follow the model's dtype
+    assert head.bits16.dtype == torch.int16 and emb(x).dtype == torch.float64
+    model.to(torch.float32)
+    saved = storage.save(model, tokenizer, tmp_path / "m")
+    loaded, _ = storage.load(tmp_path / "m")
+    assert saved["tensor_bytes"] == storage.stats(model)["tensor_bytes"]
+    assert not tied or loaded.get_input_embeddings().table is loaded.get_output_embeddings()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x).logits, model(x).logits, rtol=0, atol=1e-6)
+        out = loaded(x, use_cache=True)
+        torch.testing.assert_close(loaded(x[:, :1], past_key_values=out.past_key_values).logits, step, rtol=1e-5, atol=1e-5)
+    storage.export_dense(loaded, tokenizer, tmp_path / "dense")
+    stock = AutoModelForCausalLM.from_pretrained(tmp_path / "dense")
+    with torch.no_grad():
+        torch.testing.assert_close(stock(x).logits, rounded, rtol=1e-5, atol=1e-5)
+
+
+def test_half_refuses_a_target_that_matches_nothing_before_any_work():
+    with pytest.raises(UsageError, match="matches no module"):
+        compress(tiny_model("llama"), [{"method": "half", "targets": ["no_such_layer"]}])

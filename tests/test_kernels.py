@@ -175,7 +175,8 @@ def test_decoding_on_8_bit_activations_computes_its_rounding(d, bits, group_size
 def test_the_avx2_build_decodes_nibbles_on_8_bit_activations():
     """The AVX2 build (``WSCOMPRESS_MARCH=haswell``, what a CPU without AVX-512 compiles) runs
     the 8-bit path for nibble tables and the float path for bytes of pairs, with the same
-    results as its rounding and the reference path: the checking machines have no AVX-512."""
+    results as its rounding and the reference path, and float16 weights (F16C): the checking
+    machines have no AVX-512."""
     import subprocess
     import sys
     from pathlib import Path
@@ -192,7 +193,7 @@ def test_the_avx2_build_decodes_nibbles_on_8_bit_activations():
              "and not kernels.q8(8), kernels.status()")
     assert subprocess.run([sys.executable, "-c", check], env=env).returncode == 0
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(here / "test_kernels.py"),
-                          "-k", "8_bit_activations_computes or lut_matmul_equals or vector_codebooks_equal"],
+                          "-k", "8_bit_activations_computes or lut_matmul_equals or vector_codebooks_equal or half_weights"],
                          env=env, cwd=here.parent, capture_output=True, text=True)
     assert run.returncode == 0 and " passed" in run.stdout, run.stdout[-3000:]
 
@@ -357,6 +358,31 @@ def test_lowrank_kernel_equals_the_two_matmuls(rows, bias):
     assert lin.basis.weight.grad is not None
 
 
+@pytest.mark.skipif(kernels.lowrank() is None, reason="kernels not built here")
+@pytest.mark.parametrize("rows", [1, 3, 8, 9])
+@pytest.mark.parametrize("inp", [64, 70, 1152])
+def test_half_weights_multiply_into_float32_sums(rows, inp):
+    """A float16 weight (HalfLinear) times float32 rows: the product of the float16 values in
+    float32, for decoding (up to 8 rows; 70 leaves a tail, 1152 float16 columns are a row of
+    more than a page, which skips the prefetches); longer inputs and gradients take the layer's
+    torch path."""
+    from wscompress.model.modeling_wscompress import HalfLinear
+
+    torch.manual_seed(rows)
+    w, bias, x = torch.randn(37, inp), torch.randn(37), torch.randn(rows, inp)
+    lin = HalfLinear.from_weight(w, bias)
+    exact = F.linear(x, w.half().float(), bias)
+    with torch.no_grad():
+        y = kernels.half_linear(x, lin.weight16, lin.bias)
+        assert (y is None) == (rows > DECODE_ROWS)
+        if y is not None:
+            torch.testing.assert_close(y, exact, rtol=1e-4, atol=1e-4)  # sums in another order
+        torch.testing.assert_close(lin(x.view(1, rows, inp)), exact.view(1, rows, 37), rtol=1e-4, atol=1e-4)
+    assert kernels.half_linear(x.requires_grad_(), lin.weight16, lin.bias) is None  # training: torch
+    lin(x).sum().backward()
+    assert x.grad is not None and lin.bias.grad is not None
+
+
 @pytest.mark.skipif(kernels.lut() is None or kernels.lowrank() is None, reason="kernels not built here")
 def test_kernels_are_pytorch_operators_with_shape_rules():
     """The kernels are torch.ops.wscompress operators (a compiled graph calls them like aten's):
@@ -373,6 +399,7 @@ def test_kernels_are_pytorch_operators_with_shape_rules():
     basis, coeff = torch.randn(13, 70), torch.randn(37, 13)
     torch.library.opcheck(torch.ops.wscompress.lowrank_linear.default, (torch.randn(2, 70), basis, coeff, None))
     torch.library.opcheck(torch.ops.wscompress.lowrank_linear.default, (torch.randn(1, 1, 70), basis, coeff, torch.randn(37)))
+    torch.library.opcheck(torch.ops.wscompress.half_linear.default, (torch.randn(1, 1, 70), basis.half(), None))
 
 
 @pytest.mark.skipif(kernels.lowrank() is None, reason="kernels not built here")

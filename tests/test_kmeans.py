@@ -307,8 +307,9 @@ def test_tied_embedding_and_head_are_one_palettized_table(tokenizer, tmp_path, o
 
 @pytest.mark.parametrize("row_scale", [False, True])
 def test_finetune_method_mode_trains_the_centroids_and_the_weights_kept_aside(tmp_path, tokenizer, row_scale):
-    model = tiny_model("llama")
-    wscompress.compress(model, [{"method": "kmeans", "bits": 2, **FAST, "outliers": 0.01, "row_scale": row_scale}])
+    model = tiny_model("llama")  # with the shipped recipes' float16 head, which stays as it is
+    wscompress.compress(model, [{"method": "kmeans", "bits": 2, **FAST, "outliers": 0.01, "row_scale": row_scale},
+                                {"method": "half"}])
     before = {k: v.clone() for k, v in model.state_dict().items()}
     model, _ = finetune(model, tokenizer, recipe(tmp_path, mode="method"))
     layer = model.model.layers[0].mlp.up_proj

@@ -1,5 +1,5 @@
-"""Compiled CPU kernels: look-up-table matmul for palettized weights (``lut.cpp``), a fused
-low-rank matmul for decoding (``lowrank.cpp``), k-means' nearest-centroid search and
+"""Compiled CPU kernels: look-up-table matmul for palettized weights (``lut.cpp``), dense
+products for decoding (``lowrank.cpp``: fused low-rank factors, float16 weights), k-means' nearest-centroid search and
 seeding (``kmeans.cpp``), and for calibration's bfloat16 passes with
 AVX-512 BF16 the Gram matrices and cross products (``products.cpp``) and a one-pass RMSNorm
 (``norms.cpp``); on CUDA, the look-up-table product for
@@ -93,6 +93,8 @@ def _shape_rules(source: str) -> None:
     else:
         torch.library.register_fake("wscompress::lowrank_linear")(
             lambda x, basis, coeff, bias: x.new_empty(*x.shape[:-1], coeff.shape[0]))
+        torch.library.register_fake("wscompress::half_linear")(
+            lambda x, w, bias: x.new_empty(*x.shape[:-1], w.shape[0]))
 
 
 def _build_folder() -> str:
@@ -320,5 +322,17 @@ def low_rank_linear(x: torch.Tensor, basis: torch.Tensor, coeff: torch.Tensor,
     return module.lowrank_linear(x, basis, coeff, bias)
 
 
+def half_linear(x: torch.Tensor, weight16: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """x Wᵀ + b for a float16 W (``HalfLinear``) with float32 sums, for decoding on CPU, or None
+    where the kernel does not apply (more than DECODE_ROWS rows, not float32, kernels
+    unavailable, gradients needed): the layer then converts W for the call."""
+    module = _compiled_ops() or lowrank()
+    if (module is None or x.device.type != "cpu" or x.dtype != torch.float32 or x.numel() > DECODE_ROWS * x.shape[-1]
+            or bias is not None and bias.dtype != torch.float32
+            or torch.is_grad_enabled() and (x.requires_grad or bias is not None and bias.requires_grad)):
+        return None
+    return module.half_linear(x, weight16, bias)
+
+
 # the compressed layers (modeling_wscompress) call these where they apply, their torch path elsewhere
-modeling_wscompress.KERNELS.update(palettized=palettized_linear, low_rank=low_rank_linear)
+modeling_wscompress.KERNELS.update(palettized=palettized_linear, low_rank=low_rank_linear, half=half_linear)

@@ -1,17 +1,37 @@
-// Fused low-rank matmul for decoding (wscompress LowRankLinear / SharedBasisLinear):
-// y = coeff (basis x) + bias in one call for up to 8 input rows.
+// Dense products for decoding (up to 8 input rows), each weight row read once:
+// - lowrank_linear (LowRankLinear / SharedBasisLinear): y = coeff (basis x) + bias in one call;
+// - half_linear (HalfLinear, e.g. a tied head stored in float16): y = W x + bias with W in 16 bits
+//   and float32 sums, which reads half the bytes of the float32 product.
 //
-// At batch 1 both products are matrix-vector products that stream their weight from memory
-// once; the BLAS call chain (linear -> matmul -> t -> mm, twice) costs more than the work on
-// the thin factors, and its gemv reaches a lower fraction of the memory bandwidth on short
-// rows. Here each weight row is read once, 4 rows at a time with independent accumulators,
-// and multiplied into every input row while it is in registers. Longer inputs (prefill) use
-// the BLAS, which is compute-bound there and faster.
+// At batch 1 these are matrix-vector products that stream their weight from memory once; the
+// BLAS call chain (linear -> matmul -> t -> mm) costs more than the work on thin factors, and its
+// gemv reaches a lower fraction of the memory bandwidth on short rows (and takes no float16
+// weight with float32 activations). Here each weight row is read once, 4 rows at a time with
+// independent accumulators, and multiplied into every input row while it is in registers.
+// Longer inputs (prefill) use the BLAS, which is compute-bound there and faster.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <type_traits>
+
 namespace {
+
+// Asks for the cache line at p (the rows after the block in work, at the same column): the
+// hardware prefetchers stop at every 4 KB page and start again slowly, and a few rows of a
+// short-rowed matrix (a head of 576 columns) fill a page: there it doubled the rate. Past the
+// end of w it is harmless.
+inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
+
+// 16 (AVX-512) or 8 (AVX2) weights from p as floats: float32 as they are, float16 converted
+// (F16C), the rest one at a time
+#ifdef __AVX512F__
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+#elif defined(__AVX2__)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+#endif
 
 #if defined(__AVX2__) && !defined(__AVX512F__)
 inline float sum8(__m256 v) {
@@ -22,9 +42,10 @@ inline float sum8(__m256 v) {
 #endif
 
 // y[m, r] = sum_j w[r, j] * x[m, j] (+ bias[r]) for rows r0..r1 of w, M input rows, R weight rows at a time.
-template <int M, int R>
-void gemv_rows(const float* x, const float* w, const float* bias, int64_t k, int64_t out, float* y, int64_t r0,
+template <int M, int R, typename T>
+void gemv_rows(const float* x, const T* w, const float* bias, int64_t k, int64_t out, float* y, int64_t r0,
                int64_t r1) {
+  const bool short_rows = k * sizeof(T) < 4096;  // rows of a page or more keep the prefetchers going (measured slower with)
   int64_t r = r0;
   for (; r + R <= r1; r += R) {
     float sums[R][M];
@@ -36,21 +57,25 @@ void gemv_rows(const float* x, const float* w, const float* bias, int64_t k, int
     for (; j + 16 <= k; j += 16) {
       __m512 xs[M];
       for (int m = 0; m < M; ++m) xs[m] = _mm512_loadu_ps(x + m * k + j);
+      if (short_rows && j * sizeof(T) % 64 == 0)
+        for (int i = 0; i < R; ++i) prefetch(w + (r + i + R) * k + j);
       for (int i = 0; i < R; ++i) {
-        __m512 wv = _mm512_loadu_ps(w + (r + i) * k + j);
+        __m512 wv = load16(w + (r + i) * k + j);
         for (int m = 0; m < M; ++m) acc[i][m] = _mm512_fmadd_ps(wv, xs[m], acc[i][m]);
       }
     }
-    if (j < k) {  // the last k % 16 columns with masked loads: ranks are rarely multiples of 16, and
-                  // on coefficient rows of 100-300 floats a scalar tail kept svd 40 % at 1.24x dense (now 1.31x)
-      const __mmask16 mask = static_cast<__mmask16>((1u << (k - j)) - 1);
-      __m512 xs[M];
-      for (int m = 0; m < M; ++m) xs[m] = _mm512_maskz_loadu_ps(mask, x + m * k + j);
-      for (int i = 0; i < R; ++i) {
-        __m512 wv = _mm512_maskz_loadu_ps(mask, w + (r + i) * k + j);
-        for (int m = 0; m < M; ++m) acc[i][m] = _mm512_fmadd_ps(wv, xs[m], acc[i][m]);
+    if constexpr (std::is_same_v<T, float>) {  // float16 rows (whole multiples here) take the scalar tail
+      if (j < k) {  // the last k % 16 columns with masked loads: ranks are rarely multiples of 16, and
+                    // on coefficient rows of 100-300 floats a scalar tail kept svd 40 % at 1.24x dense (now 1.31x)
+        const __mmask16 mask = static_cast<__mmask16>((1u << (k - j)) - 1);
+        __m512 xs[M];
+        for (int m = 0; m < M; ++m) xs[m] = _mm512_maskz_loadu_ps(mask, x + m * k + j);
+        for (int i = 0; i < R; ++i) {
+          __m512 wv = _mm512_maskz_loadu_ps(mask, w + (r + i) * k + j);
+          for (int m = 0; m < M; ++m) acc[i][m] = _mm512_fmadd_ps(wv, xs[m], acc[i][m]);
+        }
+        j = k;
       }
-      j = k;
     }
     for (int i = 0; i < R; ++i)
       for (int m = 0; m < M; ++m) sums[i][m] = _mm512_reduce_add_ps(acc[i][m]);
@@ -61,21 +86,25 @@ void gemv_rows(const float* x, const float* w, const float* bias, int64_t k, int
     for (; j + 8 <= k; j += 8) {
       __m256 xs[M];
       for (int m = 0; m < M; ++m) xs[m] = _mm256_loadu_ps(x + m * k + j);
+      if (short_rows && j * sizeof(T) % 64 == 0)
+        for (int i = 0; i < R; ++i) prefetch(w + (r + i + R) * k + j);
       for (int i = 0; i < R; ++i) {
-        __m256 wv = _mm256_loadu_ps(w + (r + i) * k + j);
+        __m256 wv = load8(w + (r + i) * k + j);
         for (int m = 0; m < M; ++m) acc[i][m] = _mm256_fmadd_ps(wv, xs[m], acc[i][m]);
       }
     }
-    if (j < k) {  // the last k % 8 columns with masked loads (lanes below k - j)
-      const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(k - j)),
-                                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-      __m256 xs[M];
-      for (int m = 0; m < M; ++m) xs[m] = _mm256_maskload_ps(x + m * k + j, mask);
-      for (int i = 0; i < R; ++i) {
-        __m256 wv = _mm256_maskload_ps(w + (r + i) * k + j, mask);
-        for (int m = 0; m < M; ++m) acc[i][m] = _mm256_fmadd_ps(wv, xs[m], acc[i][m]);
+    if constexpr (std::is_same_v<T, float>) {  // float16 rows (whole multiples here) take the scalar tail
+      if (j < k) {  // the last k % 8 columns with masked loads (lanes below k - j)
+        const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(k - j)),
+                                                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        __m256 xs[M];
+        for (int m = 0; m < M; ++m) xs[m] = _mm256_maskload_ps(x + m * k + j, mask);
+        for (int i = 0; i < R; ++i) {
+          __m256 wv = _mm256_maskload_ps(w + (r + i) * k + j, mask);
+          for (int m = 0; m < M; ++m) acc[i][m] = _mm256_fmadd_ps(wv, xs[m], acc[i][m]);
+        }
+        j = k;
       }
-      j = k;
     }
     for (int i = 0; i < R; ++i)
       for (int m = 0; m < M; ++m) sums[i][m] = sum8(acc[i][m]);
@@ -85,31 +114,32 @@ void gemv_rows(const float* x, const float* w, const float* bias, int64_t k, int
 #endif
     for (; j < k; ++j)
       for (int i = 0; i < R; ++i)
-        for (int m = 0; m < M; ++m) sums[i][m] += w[(r + i) * k + j] * x[m * k + j];
+        for (int m = 0; m < M; ++m) sums[i][m] += static_cast<float>(w[(r + i) * k + j]) * x[m * k + j];
     for (int i = 0; i < R; ++i)
       for (int m = 0; m < M; ++m) y[m * out + r + i] = sums[i][m] + (bias ? bias[r + i] : 0.f);
   }
   if constexpr (R > 1) {
-    if (r < r1) gemv_rows<M, 1>(x, w, bias, k, out, y, r, r1);
+    if (r < r1) gemv_rows<M, 1, T>(x, w, bias, k, out, y, r, r1);
   }
 }
 
-template <int M>
-void gemv(const float* x, const float* w, const float* bias, int64_t k, int64_t out, float* y) {
+template <int M, typename T>
+void gemv(const float* x, const T* w, const float* bias, int64_t k, int64_t out, float* y) {
   constexpr int R = M <= 2 ? 4 : M <= 4 ? 2 : 1;  // accumulators R x M stay within the 16 vector registers
-  at::parallel_for(0, out, 64, [&](int64_t r0, int64_t r1) { gemv_rows<M, R>(x, w, bias, k, out, y, r0, r1); });
+  at::parallel_for(0, out, 64, [&](int64_t r0, int64_t r1) { gemv_rows<M, R, T>(x, w, bias, k, out, y, r0, r1); });
 }
 
-void gemv_any(int64_t m, const float* x, const float* w, const float* bias, int64_t k, int64_t out, float* y) {
+template <typename T>
+void gemv_any(int64_t m, const float* x, const T* w, const float* bias, int64_t k, int64_t out, float* y) {
   switch (m) {
-    case 1: gemv<1>(x, w, bias, k, out, y); break;
-    case 2: gemv<2>(x, w, bias, k, out, y); break;
-    case 3: gemv<3>(x, w, bias, k, out, y); break;
-    case 4: gemv<4>(x, w, bias, k, out, y); break;
-    case 5: gemv<5>(x, w, bias, k, out, y); break;
-    case 6: gemv<6>(x, w, bias, k, out, y); break;
-    case 7: gemv<7>(x, w, bias, k, out, y); break;
-    default: gemv<8>(x, w, bias, k, out, y);
+    case 1: gemv<1, T>(x, w, bias, k, out, y); break;
+    case 2: gemv<2, T>(x, w, bias, k, out, y); break;
+    case 3: gemv<3, T>(x, w, bias, k, out, y); break;
+    case 4: gemv<4, T>(x, w, bias, k, out, y); break;
+    case 5: gemv<5, T>(x, w, bias, k, out, y); break;
+    case 6: gemv<6, T>(x, w, bias, k, out, y); break;
+    case 7: gemv<7, T>(x, w, bias, k, out, y); break;
+    default: gemv<8, T>(x, w, bias, k, out, y);
   }
 }
 
@@ -141,10 +171,36 @@ torch::Tensor lowrank_linear(torch::Tensor x, torch::Tensor basis, torch::Tensor
   return y;
 }
 
+// x (..., in) with at most 8 rows (float32), w (out, in) float16, bias (out) float32 or None:
+// x w^T + bias in float32, (..., out).
+torch::Tensor half_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+  const int64_t in = x.size(-1), out = w.size(0);
+  torch::Tensor flat = x.reshape({-1, in}).contiguous();
+  TORCH_CHECK(flat.size(0) <= 8, "half_linear: at most 8 rows");
+  TORCH_CHECK(flat.scalar_type() == torch::kFloat, "half_linear: x must be float32");
+  TORCH_CHECK(w.scalar_type() == torch::kHalf && w.is_contiguous() && w.dim() == 2 && w.size(1) == in,
+              "half_linear: w must be a contiguous (out, in) float16 matrix");
+  torch::Tensor b;
+  if (bias.has_value()) {
+    b = bias->contiguous();
+    TORCH_CHECK(b.scalar_type() == torch::kFloat && b.numel() == out, "bias: (out,) float32");
+  }
+  auto sizes = x.sizes().vec();
+  sizes.back() = out;
+  auto y = torch::empty(sizes, x.options());
+  gemv_any(flat.size(0), flat.data_ptr<float>(), w.data_ptr<at::Half>(), b.defined() ? b.data_ptr<float>() : nullptr,
+           in, out, y.data_ptr<float>());
+  return y;
+}
+
 // Registered as a PyTorch operator (torch.ops.wscompress.lowrank_linear), not a Python module: a
 // compiled graph (torch.compile) calls it like any aten op; wscompress/kernels gives its shape rule.
 TORCH_LIBRARY_FRAGMENT(wscompress, m) {
   m.def("lowrank_linear(Tensor x, Tensor basis, Tensor coeff, Tensor? bias) -> Tensor");
+  m.def("half_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(wscompress, CPU, m) { m.impl("lowrank_linear", &lowrank_linear); }
+TORCH_LIBRARY_IMPL(wscompress, CPU, m) {
+  m.impl("lowrank_linear", &lowrank_linear);
+  m.impl("half_linear", &half_linear);
+}

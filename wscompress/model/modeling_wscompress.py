@@ -738,10 +738,67 @@ class PalettizedLinear(CompressedLinear):
 
 
 @register_layer
+class HalfLinear(CompressedLinear):
+    """A dense linear stored in float16: half the bytes of float32, at a relative rounding of at
+    most 2^-11 a weight, computed in the model's dtype. Meant for what every decoded token reads
+    whole, such as a tied embedding/head (a fifth of a small model's weights): decoding on CPU
+    multiplies the stored halves into float32 sums (``KERNELS["half"]``), elsewhere the weight
+    is converted on each call. It is held as its int16 bits (``bits16``), so ``model.to(dtype)``
+    leaves it at 16 bits; ``dtype_probe`` (empty, not saved) follows ``.to(dtype)`` instead and
+    tells the dtype the layer returns rows and dense weights in."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, conv1d: bool = False):
+        super().__init__()
+        self.in_features, self.out_features, self.conv1d = in_features, out_features, conv1d
+        self.register_buffer("bits16", torch.empty(out_features, in_features, dtype=torch.int16))
+        self.register_buffer("dtype_probe", torch.empty(0), persistent=False)
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None, conv1d: bool = False) -> HalfLinear:
+        """The layer for a dense (out, in) ``weight`` (rounded to float16) and ``bias``, in their dtype and device."""
+        layer = cls(weight.shape[1], weight.shape[0], bias is not None, conv1d).to(weight.device)
+        layer.bits16 = weight.detach().to(torch.float16).contiguous().view(torch.int16)
+        layer.dtype_probe = layer.dtype_probe.to(weight.dtype)
+        if bias is not None:
+            layer.bias = nn.Parameter(bias.detach().clone())
+        return layer
+
+    @property
+    def weight16(self) -> torch.Tensor:
+        return self.bits16.view(torch.float16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fast = KERNELS.get("half")
+        y = None if fast is None else fast(x, self.weight16, self.bias)
+        if y is None:  # the reference path: the weight converted for this call
+            y = F.linear(x, self.weight16.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        return y
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` (any shape) of the weight (an embedding lookup in this table): (*ids.shape, in_features)."""
+        return self.weight16[ids].to(self.dtype_probe.dtype)
+
+    def dense_weight(self) -> torch.Tensor:
+        return self.weight16.to(self.dtype_probe.dtype)
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [] if self.bias is None else [self.bias]  # the 16-bit weight stays as stored
+
+    def storage_bits(self) -> int:
+        return 16 * self.bits16.numel() + (0 if self.bias is None else 8 * self.bias.element_size() * self.bias.numel())
+
+    def spec(self) -> dict:
+        return {"in_features": self.in_features, "out_features": self.out_features, "bias": self.bias is not None,
+                "conv1d": self.conv1d}
+
+
+@register_layer
 class PalettizedEmbedding(CompressedLayer, nn.Module):
-    """An embedding whose (vocab, hidden) table is a ``PalettizedLinear`` (``table``): a lookup
-    decodes only the rows it reads. With tied embeddings the LM head *is* that table module,
-    so the matrix is stored once and the head's matmul runs the LUT kernel."""
+    """An embedding whose (vocab, hidden) table is a compressed linear with ``rows`` (``table``: a
+    ``PalettizedLinear`` or a ``HalfLinear``): a lookup decodes only the rows it reads. With tied
+    embeddings the LM head *is* that table module, so the matrix is stored once and the head's
+    matmul runs the table's kernel."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None, scale: float = 1.0):
         super().__init__()
@@ -749,7 +806,7 @@ class PalettizedEmbedding(CompressedLayer, nn.Module):
         self.register_module("table", None)  # set by ``around`` or, on loading, by ``build``
 
     @classmethod
-    def around(cls, table: PalettizedLinear, embedding: nn.Embedding) -> PalettizedEmbedding:
+    def around(cls, table: PalettizedLinear | HalfLinear, embedding: nn.Embedding) -> PalettizedEmbedding:
         new = cls(table.out_features, table.in_features, embedding.padding_idx, float(getattr(embedding, "embed_scale", 1.0)))
         new.table = table
         return new
@@ -1115,6 +1172,8 @@ def settle(model: nn.Module, dtype: torch.dtype | None) -> None:
     which its loader keeps) to the dtype the model computes in, as ``load_state_dict`` does."""
     validate(model)
     for module in model.modules():
+        if isinstance(module, HalfLinear) and isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+            module.dtype_probe = module.dtype_probe.to(dtype)
         if isinstance(module, PalettizedLinear):
             module.decode_stream()
             if isinstance(dtype, torch.dtype) and dtype.is_floating_point:

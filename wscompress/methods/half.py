@@ -1,0 +1,55 @@
+"""Store dense linears in float16 (``HalfLinear``): half the bytes of float32 for what is left dense.
+
+Meant for the tied embedding/head, which the default target names: a fifth of a small model's
+weights and, once the decoder layers are palettized, most of the bytes every decoded token
+reads. Float16 keeps 11 significant bits a weight (relative rounding <= 2^-11, below what any
+compression stage here changes), so it costs no measurable perplexity (docs/runtime.md), and
+decoding on CPU multiplies the halves into float32 sums (``kernels.half_linear``). A tied head
+stays one table: the embedding looks its rows up in the same ``HalfLinear``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import Field
+from torch import nn
+
+from ..errors import UsageError
+from ..model.arch import Conv1D, replace_everywhere, weight_of
+from ..model.modeling_wscompress import HalfLinear, PalettizedEmbedding
+from ..recipe.schema import TargetedStage
+from . import register
+from .kmeans import target_layers, tied_to_embeddings
+
+HALF_MAX = torch.finfo(torch.float16).max
+
+
+class HalfConfig(TargetedStage):
+    method: Literal["half"] = "half"
+    targets: list[str] = Field(default_factory=lambda: ["lm_head"],
+                               description="regexes of dense linears to store in float16 (default: the LM head, "
+                                           "with the embedding when they are tied)")
+
+    def check(self, model: nn.Module) -> None:
+        target_layers(model, self)  # a pattern that matches no dense linear is refused here, before any work
+
+
+@register(HalfConfig)
+@torch.no_grad()
+def apply(model: nn.Module, cfg: HalfConfig, ctx) -> dict:
+    rows = []
+    for name, module in target_layers(model, cfg).items():
+        w = weight_of(module)
+        if w.abs().max() > HALF_MAX:
+            raise UsageError(f"half: {name} has weights beyond float16's range (±{HALF_MAX:.0f})",
+                             "leave it out of the stage's targets")
+        layer = HalfLinear.from_weight(w, getattr(module, "bias", None), conv1d=isinstance(module, Conv1D))
+        rows.append({"layer": name, "shape": list(w.shape),
+                     "rel_error": ((layer.dense_weight().float() - w.float()).norm() / w.float().norm().clamp_min(1e-30)).item()})
+        emb = tied_to_embeddings(model, module)
+        replace_everywhere(model, module, layer)
+        if emb is not None:  # a tied head: the embedding reads the same table, stored once
+            replace_everywhere(model, emb, PalettizedEmbedding.around(layer, emb))
+    return {"layers": len(rows), "weights": sum(r["shape"][0] * r["shape"][1] for r in rows), "per_layer": rows}
