@@ -12,8 +12,9 @@ bytes a value) gains in speed and costs in quality against the float path, in on
    every palettized layer in turn (a token's worth) through each operator and through the
    modules (whose difference is the eager path's cost around the kernels), and the byte
    products again with each layer's repeated from warm caches (what streaming them costs).
+3. FOLDER ... --profile: where a compiled decode step's time goes, by operator.
 
-Usage: python scripts/bench_q8.py [--products] [FOLDER ...] [--windows 4] [--length 256] [--threads 1]
+Usage: python scripts/bench_q8.py [--products] [FOLDER ...] [--half] [--profile] [--windows 4] [--length 256] [--threads 1]
 (FOLDER: a model folder `wscompress compress` wrote, e.g. of configs/kmeans_4bit.yaml)
 """
 
@@ -27,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from wscompress import kernels
+from wscompress import compress, kernels
 from wscompress.io import data, storage
 from wscompress.io.hardware import cpu_flags
 from wscompress.model.modeling_wscompress import round_tables
@@ -98,6 +99,11 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=4, help="windows of each text")
     ap.add_argument("--length", type=int, default=256, help="tokens a window")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--half", action="store_true",
+                    help="store each folder's tied embedding/head in float16 first (the shipped recipes' last stage, "
+                         "for folders written before they had it)")
+    ap.add_argument("--profile", action="store_true",
+                    help="only: where a compiled decode step's time goes, by operator (torch.profiler)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     flags = sorted(f for f in cpu_flags() if f.startswith(("avx2", "avx512", "avx_vnni")))
@@ -106,13 +112,19 @@ def main() -> None:
         products()
     if not args.folders:
         return
-    print("| model | text | prefill ppl | decode ppl, float | decode ppl, byte products | x float | ms/token float | "
-          "ms/token byte products | speed-up |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    if not args.profile:
+        print("| model | text | prefill ppl | decode ppl, float | decode ppl, byte products | x float | ms/token float | "
+              "ms/token byte products | speed-up |")
+        print("|---|---|---|---|---|---|---|---|---|")
     for folder in args.folders:
         model, tokenizer = storage.load(folder)
         model.eval()
+        if args.half:
+            compress(model, [{"method": "half"}])
         name = folder.parent.name if folder.name == "model" else folder.name  # a run's <output>/model
+        if args.profile:
+            compiled_profile(model, tokenizer, name)
+            continue
         for text in TEXTS:
             ids = data.tokenize(tokenizer, text, max_tokens=args.windows * args.length)
             wins = [ids[i * args.length: (i + 1) * args.length] for i in range(args.windows)]
@@ -131,6 +143,36 @@ def main() -> None:
                   f"{ppl['q8'] / ppl['float']:.4f} | {ms['float']:.1f} | {ms['q8']:.1f} | {ms['float'] / ms['q8']:.2f}x |",
                   flush=True)
         layer_times(model, name)
+
+
+def compiled_profile(model, tokenizer, name: str, steps: int = 16) -> None:
+    """Milliseconds a compiled decode step (``StaticDecoder(compile=True)``, batch 1) spends in
+    each operator, by torch.profiler (which itself adds ~10 %), the unprofiled step beside them.
+    The compiled graph's own code (inductor's fused norms, rotary embeddings, residual adds) runs
+    inside the graph call and is counted there."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from wscompress.evaluation.decode import StaticDecoder
+
+    prompt = tokenizer("The history of the city begins with", return_tensors="pt").input_ids
+    decoder = StaticDecoder(model, prompt, 2 * steps, compile=True)
+    best = float("inf")
+    for _ in range(3):
+        decoder.reset()
+        start = time.perf_counter()
+        for _ in range(steps):
+            decoder.step()
+        best = min(best, (time.perf_counter() - start) / steps)
+    decoder.reset()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            decoder.step()
+    rows = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    total = sum(e.self_cpu_time_total for e in rows) / steps / 1e3
+    print(f"{name}: compiled step {best * 1e3:.1f} ms unprofiled, {total:.1f} ms profiled")
+    print("| operator (self time) | ms / step | calls / step |\n|---|---|---|")
+    for e in rows[:8]:
+        print(f"| {e.key[:60]} | {e.self_cpu_time_total / steps / 1e3:.2f} | {e.count / steps:.0f} |")
 
 
 def layer_times(model, name: str) -> None:

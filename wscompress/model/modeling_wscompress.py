@@ -57,6 +57,7 @@ AUTO_MAP = {"AutoConfig": "modeling_wscompress.WSCompressConfig",
 # then runs its torch reference path, as it always does where nothing is registered.
 KERNELS: dict[str, Callable[..., torch.Tensor | None]] = {}
 DECODE_ROWS = 8  # inputs with at most this many rows (decoding) go to the kernels; longer ones the BLAS
+HALF_SLICE_BYTES = 8 << 20  # a HalfLinear's torch path on CPU converts this much of its weight at a time
 
 # ----------------------------------------------------------------------------- index storage
 
@@ -771,9 +772,15 @@ class HalfLinear(CompressedLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fast = KERNELS.get("half")
         y = None if fast is None else fast(x, self.weight16, self.bias)
-        if y is None:  # the reference path: the weight converted for this call
-            y = F.linear(x, self.weight16.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
-        return y
+        if y is not None:
+            return y
+        # the torch path (prefill, training, GPUs): the weight converted for this call, on CPU a slice of
+        # rows at a time that stays in the caches (a head's whole 113 MB float32 copy cost more than its product)
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        step = self.out_features if x.device.type != "cpu" else max(1, HALF_SLICE_BYTES // (4 * self.in_features))
+        parts = [F.linear(x, self.weight16[r: r + step].to(x.dtype), None if bias is None else bias[r: r + step])
+                 for r in range(0, self.out_features, step)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, -1)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` (any shape) of the weight (an embedding lookup in this table): (*ids.shape, in_features)."""
