@@ -90,6 +90,8 @@ def test_half_head_is_stored_once_in_16_bits_and_computes_as_its_rounded_weights
     once, tied after loading), the model computes what the rounded weights give (decode steps by
     the kernel, prefill by the torch path), the file shrinks by half the table, and a dense
     export gives stock transformers the same model."""
+    from wscompress import kernels
+    from wscompress.evaluation.bench import kernel_path
     from wscompress.model.modeling_wscompress import HalfLinear, PalettizedEmbedding
 
     model = tiny_model(kind)
@@ -106,6 +108,7 @@ def test_half_head_is_stored_once_in_16_bits_and_computes_as_its_rounded_weights
     assert isinstance(head, HalfLinear) and head.bits16.dtype == torch.int16 and row["layers"] == 1
     assert isinstance(emb, PalettizedEmbedding) and emb.table is head if tied else isinstance(emb, torch.nn.Embedding)
     assert storage.stats(model)["tensor_bytes"] == before - 512 * 64 * 2
+    assert "float16 layers: kernel" in kernel_path(model) or kernels.lowrank() is None  # what bench reports
     with torch.no_grad():
         torch.testing.assert_close(model(x).logits, rounded, rtol=1e-5, atol=1e-5)
         out = model(x, use_cache=True)  # a decode step (one row a sequence) on the kernel path
