@@ -1,0 +1,47 @@
+"""What storing the tied embedding/head in float16 (``method: half``) costs in perplexity: a
+compressed folder's protocol perplexity (40 windows of 512 tokens of wiki.test and brown) with
+its float32 head, then with the same head rounded to float16 in place (what the stage stores).
+
+Usage: python scripts/bench_half_head.py FOLDER [--threads 2]
+(FOLDER: a model folder whose head is still dense float32: one a recipe without the half stage
+wrote, e.g. configs/kmeans_4bit.yaml with that stage deleted)
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from wscompress.evaluation.perplexity import evaluate_text
+from wscompress.io import storage
+
+TEXTS = ["builtin:wiki.test", "builtin:brown"]
+
+
+@torch.no_grad()
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("folder", type=Path)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    model, tokenizer = storage.load(args.folder)
+    model.eval()
+    head = model.get_output_embeddings().weight
+    if not isinstance(head, torch.nn.Parameter) or head.dtype != torch.float32:
+        raise SystemExit(f"{args.folder}: its head is not a dense float32 table (already compressed?)")
+    rows = {}
+    for label in ("float32 head", "float16 head"):
+        if label == "float16 head":
+            head.copy_(head.half().float())
+        rows[label] = [evaluate_text(model, tokenizer, text, 512, max_windows=40)["ppl"] for text in TEXTS]
+    print("| head | " + " | ".join(t.split(":")[-1] for t in TEXTS) + " |\n|---|" + "---|" * len(TEXTS))
+    for label, ppl in rows.items():
+        change = [f"{p:.4f} ({100 * (p / base - 1):+.3f} %)" for p, base in zip(ppl, rows["float32 head"])]
+        print(f"| {label} | " + " | ".join(change) + " |")
+
+
+if __name__ == "__main__":
+    main()
