@@ -25,7 +25,9 @@ BASES = {
     "palettized": [{"method": "kmeans", "bits": 4, "outliers": 0.02, "targets": [r"model\.layers\.", "lm_head"]}],
     "huffman": [{"method": "kmeans", "bits": 4, "entropy_coding": True}],
     "low_rank": [{"method": "svd", "ratio": 0.3, "whitening": False}],
+    "half": [{"method": "half"}],  # the tied table in float16, stored under the embedding's name
 }
+TABLE = "model.embed_tokens.table.bits16"  # (512, 64) int16
 LAYER = "model.layers.0.mlp.down_proj"  # (64, 128)
 
 
@@ -96,6 +98,8 @@ CASES = {
     "an alias cycle": ("palettized", ("config", _alias_loop), r"a cycle"),
     "a module aliased to its parent": ("palettized", ("config", _alias_to_parent), r"a cycle"),
     "a truncated weight file": ("palettized", ("folder", _truncate), r"truncated"),
+    "a float16 table of another shape": ("half", ("tensors", lambda t: t.__setitem__(TABLE, t[TABLE][:500].clone())),
+                                         r"bits16' is \[500, 64\] torch.int16"),
 }
 
 
