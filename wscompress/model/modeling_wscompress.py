@@ -682,9 +682,13 @@ class PalettizedLinear(CompressedLinear):
             return None
         if torch.compiler.is_compiling():  # a compiled graph reads the layout an eager call prepared (fixed values)
             return getattr(self, "_layout", None)
-        key = [(t.data_ptr(), t._version) for t in (self.indices, self.codebook)]
+        # read from the module's dicts, not as attributes: nn.Module's attribute lookup made this check
+        # cost more than a small layer's product (it runs on every eager call)
+        params, buffers = self._parameters, self._buffers
+        key = [(t.data_ptr(), t._version) for t in (buffers["indices"], params["codebook"])]
         if self.outliers:  # their corrections depend on the codebook and scales (which fine-tuning trains) too
-            key += [(t.data_ptr(), t._version) for t in (self.outlier_index, self.outlier_value, self.scale) if t is not None]
+            key += [(t.data_ptr(), t._version) for t in (buffers["outlier_index"], params["outlier_value"],
+                                                          params.get("scale")) if t is not None]
         if getattr(self, "_layout_key", None) != key:
             idx = self.index_matrix()
             width = 4 if self.bits <= 4 else 8
@@ -715,7 +719,10 @@ class PalettizedLinear(CompressedLinear):
             return None
         y = fast(x, layout.indices, layout.width, layout.tables, self.group_size, self.out_features, layout.outliers,
                  layout.rounded)
-        return y if y is None or self.scale is None else y * self.scale.to(y.dtype)  # None: the kernel declined
+        scale = self._parameters.get("scale")
+        if y is None or scale is None:  # None: the kernel declined
+            return y
+        return y * (scale if scale.dtype == y.dtype else scale.to(y.dtype))
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         """Fine-tuning a palettized layer trains its centroids (Deep Compression) and the weights
