@@ -173,6 +173,7 @@ def test_decoding_on_8_bit_activations_computes_its_rounding(d, bits, group_size
         torch.testing.assert_close(lin(x.view(1, rows, inp)), y.view(1, rows, -1))
 
 
+@pytest.mark.cross_build
 def test_the_avx2_build_decodes_nibbles_on_8_bit_activations():
     """The AVX2 build (``WSCOMPRESS_MARCH=haswell``, what a CPU without AVX-512 compiles) runs
     the 8-bit path for nibble tables and the float path for bytes of pairs, with the same
