@@ -799,9 +799,6 @@ class HalfLinear(CompressedLinear):
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [] if self.bias is None else [self.bias]  # the 16-bit weight stays as stored
 
-    def storage_bits(self) -> int:
-        return 16 * self.bits16.numel() + (0 if self.bias is None else 8 * self.bias.element_size() * self.bias.numel())
-
     def spec(self) -> dict:
         return {"in_features": self.in_features, "out_features": self.out_features, "bias": self.bias is not None,
                 "conv1d": self.conv1d}
