@@ -3,7 +3,8 @@ bytes a value) gains in speed and costs in quality against the float path, in on
 
 1. ``--products``: single products at batch 1 on SmolLM2's shapes and a 4096 x 4096 one (larger
    than the caches), for the layouts the path covers, with random tables and indices (speed does
-   not depend on them): microseconds, speed-up, and gigabytes of indices read a second.
+   not depend on them): microseconds, speed-up, and gigabytes of indices read a second; then the
+   float16 head's product (``half_linear``) against float32 ``F.linear``.
    ``WSCOMPRESS_MARCH=haswell`` times the AVX2 build on an AVX-512 machine.
 2. FOLDER ...: real compressed models: perplexity through the decode path itself
    (teacher-forced, one token a step through the KV cache, batch 1: the rows the kernels take)
@@ -73,6 +74,16 @@ def products() -> None:
             fl = best_us(lambda: ops.lut_linear(x, idx, tables, width, 64, out, *NONE), calls)
             q8 = best_us(lambda: ops.lut_linear_q8(x, idx, *rounded, width, 64, out, *NONE), calls)
             print(f"| {label} | {out} x {inp} | {fl:.1f} | {q8:.1f} | {fl / q8:.2f}x | {idx.numel() / q8 / 1e3:.1f} |", flush=True)
+    # the float16 head (method: half) against the float32 one, the same product at batch 1
+    print("\n| dense weight | out x in | float32 F.linear µs | float16 half_linear µs | speed-up | GB/s of weights |")
+    print("|---|---|---|---|---|---|")
+    for out, inp in [(49152, 576), (1536, 576)]:
+        w, x = torch.randn(out, inp, generator=gen) * 0.02, torch.randn(1, inp, generator=gen)
+        w16, calls = w.half(), 20 if out * inp > 1e7 else 200
+        fl = best_us(lambda: F.linear(x, w), calls)
+        half = best_us(lambda: ops.half_linear(x, w16, None), calls)
+        print(f"| float16 head | {out} x {inp} | {fl:.1f} | {half:.1f} | {fl / half:.2f}x | {2 * w16.numel() / half / 1e3:.1f} |",
+              flush=True)
 
 
 def step_by_step(model, window: torch.Tensor) -> tuple[float, int, float]:
