@@ -179,8 +179,8 @@ LAYER_SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008)]  # (out, in) of LLaM
 LAYER_MODELS = ["kmeans 4-bit per channel", "kmeans 3-bit per channel", "kmeans 2-bit per channel",
                 "kmeans 2-bit, 2-d vectors per 64 channels", "kmeans 3-bit, 2-d vectors per 64 channels",
                 "kmeans 2-bit, 4-d vectors per matrix", *RECIPES.values()]
-LAYER_COLS = ["layer (out x in)", "model", "weight MB", "us per call", "x dense", "graph us per call", "graph x dense",
-              "bound us", "of bound"]
+LAYER_COLS = ["layer (out x in)", "model", "path", "error", "weight MB", "us per call", "x dense", "graph us per call",
+              "graph x dense", "bound us", "of bound"]
 
 
 @torch.no_grad()  # not inference mode: the layers cache their kernel layout by tensor version
@@ -188,7 +188,8 @@ def layer_rows(device: torch.device, dtype: torch.dtype, bandwidth: float, graph
                shapes: list[tuple[int, int]] = LAYER_SHAPES, labels: list[str] = LAYER_MODELS) -> list[dict]:
     """One decode-sized product (batch 1) per call on each (out, in) of ``shapes``: dense vs the
     kmeans layouts ``labels`` (of MODELS), microseconds per call (best of 5 runs of ``calls``;
-    with ``graph``, also replayed from a CUDA graph) and the weight bytes' bound."""
+    with ``graph``, also replayed from a CUDA graph), the weight bytes' bound, which path ran
+    (the kernel or torch's decoded weight) and the largest error against float64 products."""
     gen = torch.Generator(device).manual_seed(0)
     calls = 200 if device.type == "cuda" else 5  # a GPU call takes microseconds: time many
     rows = []
@@ -197,9 +198,13 @@ def layer_rows(device: torch.device, dtype: torch.dtype, bandwidth: float, graph
         layers |= {label: random_palettized(out_f, in_f, MODELS[label][0], gen).to(dtype) for label in labels}
         x = torch.randn(1, in_f, device=device, dtype=dtype)
         for label, layer in layers.items():
-            layer(x)  # builds the kernel layout (and compiles / tunes the kernel) before timing
+            y = layer(x)  # builds the kernel layout (and compiles / tunes the kernel) before timing
             run = lambda: [layer(x) for _ in range(calls)]  # noqa: E731
             row = {"layer (out x in)": f"{out_f} x {in_f}", "model": label, "us per call": best_seconds(run, device) / calls * 1e6}
+            if label != "dense":  # which path ran, and how far its product is from the decoded weight's (float64)
+                ref = x.double() @ layer.dense_weight().double().T
+                row["path"] = "kernel" if layer.lut_forward(x) is not None else "torch"
+                row["error"] = f"{((y.double() - ref).abs().max() / ref.abs().max()).item():.0e}"
             if graph:  # the same calls captured once and replayed: GPU time without Python's launches
                 captured = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(captured):

@@ -14,7 +14,9 @@
    and peak GPU memory against one decoder layer's bytes.
 
 Parts run in that order; one that would start after ``--minutes`` is listed as skipped, so the
-table comes back whatever happens. ``--dry-run`` runs the same code on the CPU with tiny shapes
+table comes back whatever happens; a part that fails is listed with its traceback and the
+next one runs; pipeline runs print their rows as they end and none starts after
+``--pipeline-minutes``. ``--dry-run`` runs the same code on the CPU with tiny shapes
 (seconds; the test suite runs it, so the script cannot rot between GPU sessions).
 
 Usage: python scripts/gpu_check.py [--out outputs/gpu_check] [--parts products decode pipeline]
@@ -29,6 +31,7 @@ import json
 import shutil
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -38,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling benchmar
 from bench_runtime import (LAYER_COLS, LAYER_SHAPES, MODELS, RECIPES, graph_decode_seconds, layer_rows,  # noqa: E402
                            markdown, random_layout)
 
+from wscompress import kernels  # noqa: E402
 from wscompress.evaluation.decode import StaticDecoder  # noqa: E402
 from wscompress.evaluation.profile import copy_bandwidth  # noqa: E402
 from wscompress.io import storage, ui  # noqa: E402
@@ -134,15 +138,20 @@ def save_model(shape: dict, layers: int, dtype: torch.dtype, folder: Path) -> Pa
     return folder
 
 
-def pipeline(device: torch.device, dry: bool, out: Path, dtype: torch.dtype = torch.float16) -> tuple:
-    """(float16 in the dry run too: the path a 7B model takes is the one checked.)"""
+def pipeline(device: torch.device, dry: bool, out: Path, deadline: float, dtype: torch.dtype = torch.float16) -> tuple:
+    """(float16 in the dry run too: the path a 7B model takes is the one checked.) Each run's
+    row is printed as it ends, and none starts after ``deadline`` (perf_counter seconds), so
+    what finished comes back even when the machine's time runs out mid-part."""
     shape = {**(TINY if dry else LLAMA_7B), "vocab_size": 49152}  # SmolLM2's tokenizer
+    layer_mb = sum(p.numel() for p in random_model({**shape, "num_hidden_layers": 1}, torch.device("meta"),
+                                                   dtype).model.layers[0].parameters()) * dtype.itemsize / 2**20
     rows = []
-    for depth in (2, 4):  # Basis Sharing's groups are 2 layers
-        folder = save_model(shape, depth, dtype, out / "models" / f"{depth}-layers")
-        layer_mb = sum(p.numel() for p in random_model({**shape, "num_hidden_layers": 1}, torch.device("meta"),
-                                                       dtype).model.layers[0].parameters()) * dtype.itemsize / 2**20
-        for label, config in PIPELINE.items():
+    for label, config in PIPELINE.items():  # by method, the fastest first; both depths (Basis Sharing's groups are 2 layers)
+        for depth in (2, 4):
+            if time.perf_counter() > deadline:
+                print(f"pipeline: {label} at {depth} layers skipped (out of time)", flush=True)
+                continue
+            folder = save_model(shape, depth, dtype, out / "models" / f"{depth}-layers")
             sets = [f"model.path={folder}", f"model.device={device.type}", "model.offload=cpu",
                     f"model.dtype={str(dtype).removeprefix('torch.')}", f"output.dir={out / 'runs' / f'{config}-{depth}'}"]
             if dry:  # seconds, not minutes, on a CPU
@@ -159,9 +168,13 @@ def pipeline(device: torch.device, dry: bool, out: Path, dtype: torch.dtype = to
                 row[f"{step} peak MB"] = round(report["peak_memory_mb"], 1)
             row["stage s"] = ", ".join(f"{k} {v}" for k, v in report["stages"][0].items() if k.endswith("seconds"))
             rows.append(row)
+            print("pipeline row:", json.dumps(row), flush=True)
             shutil.rmtree(out / "runs" / f"{config}-{depth}", ignore_errors=True)
     for label in PIPELINE:  # seconds a layer from the two depths; the fixed part stays
-        short, long_ = (r for r in rows if r["method"] == label)
+        both = [r for r in rows if r["method"] == label]
+        if len(both) < 2:
+            continue
+        short, long_ = both
         for step in ("calibrate", "compress"):
             per_layer = (long_[f"{step} s"] - short[f"{step} s"]) / (long_["layers"] - short["layers"])
             long_[f"{step} s a layer"] = round(per_layer, 2)
@@ -180,6 +193,7 @@ def main() -> None:
     ap.add_argument("--parts", nargs="+", default=["products", "decode", "pipeline"],
                     choices=["products", "decode", "pipeline"])
     ap.add_argument("--minutes", type=float, default=8.0, help="no part starts after this")
+    ap.add_argument("--pipeline-minutes", type=float, default=8.0, help="no pipeline run starts after this")
     ap.add_argument("--out", type=Path, default=REPO / "outputs" / "gpu_check")
     args = ap.parse_args()
     ui.set_quiet(True)  # the parts' tables are the output
@@ -188,15 +202,24 @@ def main() -> None:
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (dry run)"
     args.out.mkdir(parents=True, exist_ok=True)
     start, results = time.perf_counter(), {}
-    parts = [f"# gpu_check on {where}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}"]
+    parts = [f"# gpu_check on {where}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}\n\n"
+             f"kernels: {kernels.status()}"]
     for part in args.parts:
         if time.perf_counter() - start > args.minutes * 60:
             parts.append(f"## {part}\n\nskipped: {args.minutes} minutes had passed")
             continue
         began = time.perf_counter()
-        title, rows, cols = {"products": lambda: products(device, dtype, args.dry_run),
-                             "decode": lambda: decode(device, dtype, args.dry_run),
-                             "pipeline": lambda: pipeline(device, args.dry_run, args.out)}[part]()
+        try:
+            title, rows, cols = {"products": lambda: products(device, dtype, args.dry_run),
+                                 "decode": lambda: decode(device, dtype, args.dry_run),
+                                 "pipeline": lambda: pipeline(device, args.dry_run, args.out,
+                                                              start + args.pipeline_minutes * 60)}[part]()
+        except Exception:  # noqa: BLE001 - one GPU session a run: the other parts still get measured
+            parts.append(f"## {part}\n\nfailed:\n\n```\n{traceback.format_exc()[-3000:]}```")
+            print(parts[-1], flush=True)
+            gc.collect()
+            torch.cuda.empty_cache() if device.type == "cuda" else None
+            continue
         results[part] = rows
         parts.append(f"## {part} ({time.perf_counter() - began:.0f} s)\n\n{title}\n\n{markdown(rows, cols)}")
         (args.out / "gpu_check.md").write_text("\n\n".join(parts) + "\n")  # what is done so far, part by part

@@ -448,9 +448,12 @@ except Exception as err:
     sys.exit()
 kernels._triton_path = lambda x: True  # route layers to the Triton kernel on CPU tensors
 kernels._load_triton = lambda: (lut_triton, "interpreted")
-for bits, group_size, outliers in [(4, 1, 0), (4, 16, 5), (3, 1, 7), (2, 8, 0), (5, 1, 3), (8, 4, 0), (6, 48, 0)]:
+for bits, group_size, outliers, d, scaled in [(4, 1, 0, 1, False), (4, 16, 5, 1, True), (3, 1, 7, 1, False),
+                                              (2, 8, 0, 1, False), (5, 1, 3, 1, False), (8, 4, 0, 1, True),
+                                              (6, 48, 0, 1, False), (8, 16, 6, 2, True), (6, 8, 0, 2, False),
+                                              (8, 48, 4, 4, True)]:  # the shipped recipes: vectors of 2 and 4
     for dtype, tol in [(torch.float32, 1e-4), (torch.float16, 2e-2)]:  # float16: output rounding
-        lin = layer(bits, group_size, inp=600, outliers=outliers).to(dtype)
+        lin = layer(bits, group_size, inp=600, outliers=outliers, d=d, scaled=scaled).to(dtype)
         for rows in (1, 3, DECODE_ROWS):
             x = torch.randn(rows, 600).to(dtype)
             ref = F.linear(x.float(), lin.dense_weight().float(), lin.bias.float())
@@ -468,7 +471,8 @@ print("ok")
 def test_triton_lut_kernel_equals_the_reference_path():
     """The CUDA kernel, run by Triton's interpreter on CPU tensors (no GPU here; the
     interpreter must be chosen before Triton loads, hence a fresh process). Widths 4 and 8,
-    grouped tables, outliers and bias through whole layers, inputs that are not a multiple of
+    grouped tables, vectors of 2 and 4 weights (read as one integer: float32 pairs, float16
+    pairs and fours; float32 fours by component), row scales, outliers and bias through whole layers, inputs that are not a multiple of
     the block (600), rows that are not a multiple of the row block (48), float32 and float16."""
     import os
     import subprocess

@@ -238,10 +238,11 @@ _NO_OUTLIERS = SparseRows(*(torch.empty(0, dtype=t) for t in (torch.int64, torch
 
 def palettized_linear(x: torch.Tensor, indices: torch.Tensor, width: int, tables: torch.Tensor, group_size: int,
                       out_features: int, outliers: SparseRows | None = None,
-                      rounded: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
+                      rounded: tuple[torch.Tensor, torch.Tensor] | None = None,
+                      scale: torch.Tensor | None = None) -> torch.Tensor | None:
     """x @ Wᵀ (no bias) for a palettized W whose row r reads ``tables[r // group_size]`` at its
     indices (``width`` 4: two per byte, low nibble first; 8: one per byte) plus the ``outliers``'
-    corrections, or None where the kernel does not apply (gradients needed, kernels
+    corrections, times the row ``scale`` where given, or None where the kernel does not apply (gradients needed, kernels
     unavailable, on CPU not float32, on CUDA more than DECODE_ROWS rows: prefill is
     compute-bound, and cuBLAS on the weight decoded by torch wins there). Decoding on CPU
     multiplies 8-bit activations by the ``rounded`` tables (``modeling_wscompress.round_tables``)
@@ -249,7 +250,7 @@ def palettized_linear(x: torch.Tensor, indices: torch.Tensor, width: int, tables
     if torch.is_grad_enabled() and (x.requires_grad or tables.requires_grad):
         return None
     if _triton_path(x):
-        return _gpu_linear(x, indices, width, tables, group_size, out_features, outliers)
+        return _gpu_linear(x, indices, width, tables, group_size, out_features, outliers, scale)
     module = _compiled_ops() or lut()
     if module is None or x.device.type != "cpu" or x.dtype != torch.float32:
         return None
@@ -257,11 +258,13 @@ def palettized_linear(x: torch.Tensor, indices: torch.Tensor, width: int, tables
     sparse = outliers or _NO_OUTLIERS
     if flat.shape[0] > DECODE_ROWS:  # prefill: decode this layer's dense weight once (transient), the BLAS multiplies
         w = module.lut_dense(indices, tables.detach().float().contiguous(), width, group_size, out_features, flat.shape[1], *sparse)
-        return F.linear(flat, w).view(*x.shape[:-1], out_features)
-    if rounded is not None and q8(width):
+        y = F.linear(flat, w)
+    elif rounded is not None and q8(width):
         y = module.lut_linear_q8(flat, indices, *rounded, width, group_size, out_features, *sparse)
     else:
         y = module.lut_linear(flat, indices, tables.detach().float().contiguous(), width, group_size, out_features, *sparse)
+    if scale is not None:
+        y = y * (scale if scale.dtype == y.dtype else scale.to(y.dtype))
     return y.view(*x.shape[:-1], out_features)
 
 
@@ -294,14 +297,15 @@ def _triton_path(x: torch.Tensor) -> bool:
 
 
 def _gpu_linear(x: torch.Tensor, indices: torch.Tensor, width: int, tables: torch.Tensor, group_size: int,
-                out_features: int, outliers: SparseRows | None) -> torch.Tensor | None:
+                out_features: int, outliers: SparseRows | None, scale: torch.Tensor | None) -> torch.Tensor | None:
     global _gpu_failure
     module = lut_gpu()
-    if module is None or x.numel() > DECODE_ROWS * x.shape[-1] or tables.dim() != 2:
-        return None
+    if module is None or x.numel() > DECODE_ROWS * x.shape[-1] or tables.dim() != 2 and width != 8:
+        return None  # vectors (groups, K, d) are read at 8 bits a vector only
     flat = x.reshape(-1, x.shape[-1]).contiguous()
     try:
-        y = module.lut_linear(flat, indices, width, tables.detach().contiguous(), group_size, out_features, outliers)
+        y = module.lut_linear(flat, indices, width, tables.detach().contiguous(), group_size, out_features, outliers,
+                              None if scale is None else scale.detach())
     except Exception as err:  # noqa: BLE001 - a Triton or driver that cannot build it: the torch path
         _gpu_failure = f"lut_triton.py failed ({_why(err)})"
         warnings.warn(f"wscompress: {_gpu_failure}; palettized layers materialise their weight instead", stacklevel=2)

@@ -47,10 +47,13 @@ _picked: dict[tuple, Launch] = {}
 
 
 @triton.jit
-def _lut_gemv(x_ptr, idx_ptr, tab_ptr, y_ptr, row_ptr, out_col, out_delta, n_out, n_in, group_size, table_len,
-              k_split, WIDTH: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, OUTLIERS: tl.constexpr):
-    """y[s, m, rows] = sum over stretch s of tables[row // group_size, idx[row, k]] * x[m, k]
-    (+ the outliers of these rows in stretch 0); grid (row blocks, stretches, m)."""
+def _lut_gemv(x_ptr, idx_ptr, tab_ptr, y_ptr, row_ptr, out_col, out_delta, scale_ptr, n_out, n_in, group_size,
+              table_len, k_split, WIDTH: tl.constexpr, D: tl.constexpr, PACKED: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, OUTLIERS: tl.constexpr, SCALED: tl.constexpr):
+    """y[s, m, rows] = scale[rows] * (sum over stretch s of tables[row // group_size, idx[row, k]] * x[m, k]
+    (+ the outliers of these rows in stretch 0)); grid (row blocks, stretches, m). At width 8 an
+    index names a vector of D consecutive weights; PACKED (a float type) says the table holds a
+    vector as one integer of D such floats, read with one load."""
     m = tl.program_id(2).to(tl.int64)
     s = tl.program_id(1)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -74,15 +77,26 @@ def _lut_gemv(x_ptr, idx_ptr, tab_ptr, y_ptr, row_ptr, out_col, out_delta, n_out
             xe = tl.load(x_row + 2 * j, mask=in_range, other=0.0).to(tl.float32)
             xo = tl.load(x_row + 2 * j + 1, mask=in_range, other=0.0).to(tl.float32)
             acc += tl.sum(lo * xe[None, :] + hi * xo[None, :], axis=1)
-    else:  # one index a byte
-        for k0 in range(0, k_split, BLOCK_K):
-            j = k_lo + k0 + tl.arange(0, BLOCK_K)
-            in_range = j < n_in
+    else:  # one index a byte, naming a vector of D weights: a step covers BLOCK_K inputs, BLOCK_K // D indices
+        n_vec = n_in // D
+        for k0 in range(0, k_split // D, BLOCK_K // D):
+            j = k_lo // D + k0 + tl.arange(0, BLOCK_K // D)
+            in_range = j < n_vec
             ok = row_ok[:, None] & in_range[None, :]
-            b = tl.load(idx_ptr + rows[:, None] * n_in + j[None, :], mask=ok, other=0).to(tl.int32)
-            w = tl.load(table[:, None] + b, mask=ok, other=0.0).to(tl.float32)
-            xv = tl.load(x_row + j, mask=in_range, other=0.0).to(tl.float32)
-            acc += tl.sum(w * xv[None, :], axis=1)
+            b = tl.load(idx_ptr + rows[:, None] * n_vec + j[None, :], mask=ok, other=0).to(tl.int32)
+            if PACKED is not None:  # the vector in one load (the look-ups, not the bytes, bound this loop)
+                v = tl.load(table[:, None] + b, mask=ok, other=0)
+                bits: tl.constexpr = PACKED.primitive_bitwidth
+                for c in tl.static_range(D):
+                    part = ((v >> (c * bits)) & ((1 << bits) - 1)).to(tl.int16 if bits == 16 else tl.int32)
+                    w = part.to(PACKED, bitcast=True).to(tl.float32)
+                    xv = tl.load(x_row + j * D + c, mask=in_range, other=0.0).to(tl.float32)
+                    acc += tl.sum(w * xv[None, :], axis=1)
+            else:
+                for c in tl.static_range(D):
+                    w = tl.load(table[:, None] + b * D + c, mask=ok, other=0.0).to(tl.float32)
+                    xv = tl.load(x_row + j * D + c, mask=in_range, other=0.0).to(tl.float32)
+                    acc += tl.sum(w * xv[None, :], axis=1)
     if OUTLIERS:
         if s == 0:  # a row block's outliers are one contiguous run of the CSR arrays
             first = tl.load(row_ptr + rows, mask=row_ok, other=0)
@@ -96,45 +110,60 @@ def _lut_gemv(x_ptr, idx_ptr, tab_ptr, y_ptr, row_ptr, out_col, out_delta, n_out
                 part = tl.load(out_delta + e, mask=e_ok, other=0.0) * tl.load(x_row + col, mask=e_ok, other=0.0).to(tl.float32)
                 mine = (e[None, :] >= first[:, None]) & (e[None, :] < last[:, None])
                 acc += tl.sum(tl.where(mine, part[None, :], 0.0), axis=1)
+    if SCALED:  # the row scales, here rather than as one more kernel after this one (each launch costs ~2 us)
+        acc *= tl.load(scale_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
     tl.store(y_ptr + (s * tl.num_programs(2) + m) * n_out + rows, acc.to(y_ptr.dtype.element_ty), mask=row_ok)
 
 
+PACK = {2: torch.int16, 4: torch.int32, 8: torch.int64}  # a vector of this many bytes read as one integer
+TL_FLOAT = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
 def _run(launch: Launch, x: torch.Tensor, indices: torch.Tensor, width: int, tables: torch.Tensor, group_size: int,
-         out_features: int, outliers) -> torch.Tensor:
+         out_features: int, outliers, scale: torch.Tensor | None = None) -> torch.Tensor:
     rows, n_in = x.shape
+    d = tables.shape[2] if tables.dim() == 3 else 1
+    packed = d > 1 and tables.dtype in TL_FLOAT and d * tables.dtype.itemsize in (4, 8)
+    flat = tables.reshape(tables.shape[0], -1)
+    if packed:  # (groups, K) integers, each a vector of d floats
+        flat = flat.view(PACK[d * tables.dtype.itemsize])
     # each stretch a whole number of steps, so no step straddles two stretches
     k_split = triton.cdiv(triton.cdiv(n_in, launch.split), launch.block_k) * launch.block_k
     split = triton.cdiv(n_in, k_split)
     y = torch.empty(split, rows, out_features, dtype=x.dtype if split == 1 else torch.float32, device=x.device)
     row_ptr, col, delta = outliers if outliers is not None else (y, y, y)  # unused pointers when there are none
     _lut_gemv[(triton.cdiv(out_features, launch.block_n), split, rows)](
-        x, indices, tables, y, row_ptr, col, delta, out_features, n_in, group_size, tables.shape[1], k_split,
-        WIDTH=width, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, OUTLIERS=outliers is not None,
+        x, indices, flat, y, row_ptr, col, delta, y if scale is None else scale, out_features, n_in, group_size,
+        flat.shape[1], k_split, WIDTH=width, D=d, PACKED=TL_FLOAT[tables.dtype] if packed else None,
+        BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, OUTLIERS=outliers is not None, SCALED=scale is not None,
         num_warps=launch.warps)
     return y[0] if split == 1 else y.sum(0).to(x.dtype)
 
 
 def _pick(x: torch.Tensor, indices: torch.Tensor, width: int, tables: torch.Tensor, group_size: int,
-          out_features: int, outliers) -> Launch:
+          out_features: int, outliers, scale: torch.Tensor | None) -> Launch:
     """The fastest candidate at this shape on this GPU, timed once (Triton's ``do_bench``:
     GPU time, cache flushed between runs) and remembered for the process."""
-    key = (x.device, x.dtype, x.shape, out_features, width, group_size, tables.shape[1], outliers is not None)
+    key = (x.device, x.dtype, x.shape, out_features, width, group_size, tables.shape[1:], tables.dtype,
+           outliers is not None, scale is not None)
     if key not in _picked:
         if INTERPRETED:
             _picked[key] = CANDIDATES[0] if x.shape[0] % 2 else CANDIDATES[1]  # both paths, deterministically
         else:
             useful = [c for c in CANDIDATES if c.split == 1 or x.shape[1] >= 2 * c.split * c.block_k]
-            times = [do_bench(lambda c=c: _run(c, x, indices, width, tables, group_size, out_features, outliers),
+            times = [do_bench(lambda c=c: _run(c, x, indices, width, tables, group_size, out_features, outliers, scale),
                               warmup=2, rep=10) for c in useful]
             _picked[key] = useful[min(range(len(useful)), key=times.__getitem__)]
     return _picked[key]
 
 
 def lut_linear(x: torch.Tensor, indices: torch.Tensor, width: int, tables: torch.Tensor, group_size: int,
-               out_features: int, outliers: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+               out_features: int, outliers: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+               scale: torch.Tensor | None = None) -> torch.Tensor:
     """x (rows, in) @ Wᵀ for the palettized W that ``indices`` (``width`` 4 or 8, as
-    ``kernels.palettized_linear`` takes them) and ``tables`` (groups, K) describe, plus the
-    ``outliers``' corrections (CSR by row: row_ptr int64, col int32, delta float32), in x's dtype.
+    ``kernels.palettized_linear`` takes them) and ``tables`` (groups, K) or, at width 8, vectors
+    (groups, K, d) describe, plus the ``outliers``' corrections (CSR by row: row_ptr int64, col
+    int32, delta float32), times the row ``scale`` where given, in x's dtype.
     The first call at a shape times the candidate launches; call it once before capturing a CUDA graph."""
-    launch = _pick(x, indices, width, tables, group_size, out_features, outliers)
-    return _run(launch, x, indices, width, tables, group_size, out_features, outliers)
+    launch = _pick(x, indices, width, tables, group_size, out_features, outliers, scale)
+    return _run(launch, x, indices, width, tables, group_size, out_features, outliers, scale)

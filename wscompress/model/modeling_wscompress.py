@@ -717,12 +717,8 @@ class PalettizedLinear(CompressedLinear):
         layout = self.kernel_layout()
         if layout is None:
             return None
-        y = fast(x, layout.indices, layout.width, layout.tables, self.group_size, self.out_features, layout.outliers,
-                 layout.rounded)
-        scale = self._parameters.get("scale")
-        if y is None or scale is None:  # None: the kernel declined
-            return y
-        return y * (scale if scale.dtype == y.dtype else scale.to(y.dtype))
+        return fast(x, layout.indices, layout.width, layout.tables, self.group_size, self.out_features, layout.outliers,
+                    layout.rounded, self._parameters.get("scale"))
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         """Fine-tuning a palettized layer trains its centroids (Deep Compression) and the weights
