@@ -173,6 +173,14 @@ def test_decoding_on_8_bit_activations_computes_its_rounding(d, bits, group_size
         torch.testing.assert_close(lin(x.view(1, rows, inp)), y.view(1, rows, -1))
 
 
+def test_a_layout_off_the_cpu_has_no_8_bit_tables():
+    """The 8-bit tables are for the CPU's kernels only: a layer on another device (a GPU; meta
+    here) prepares its layout without them (their rounding mixed the devices and crashed on an H200)."""
+    for lin in (layer(4, 16, inp=64), layer(8, 16, inp=64, d=2)):
+        assert lin.kernel_layout().rounded is not None
+        assert lin.to("meta").kernel_layout().rounded is None
+
+
 @pytest.mark.cross_build
 def test_the_avx2_build_decodes_nibbles_on_8_bit_activations():
     """The AVX2 build (``WSCOMPRESS_MARCH=haswell``, what a CPU without AVX-512 compiles) runs

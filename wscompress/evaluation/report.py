@@ -8,7 +8,7 @@ import os
 import platform
 import re
 import time
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import torch
@@ -21,7 +21,11 @@ def environment() -> dict:
     import transformers
 
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    return {"wscompress": version("wscompress"), "torch": torch.__version__, "transformers": transformers.__version__,
+    try:
+        ours = version("wscompress")
+    except PackageNotFoundError:  # run from a source tree on PYTHONPATH, not installed
+        from .. import __version__ as ours
+    return {"wscompress": ours, "torch": torch.__version__, "transformers": transformers.__version__,
             "python": platform.python_version(), "platform": platform.platform(),
             "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(), "gpu": gpu,
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}

@@ -704,7 +704,7 @@ class PalettizedLinear(CompressedLinear):
             if width == 4 and tables.shape[1] < 16:
                 tables = F.pad(tables, (0, 0) * (d > 1) + (0, 16 - tables.shape[1]))
             rounded = (round_tables(tables, width) if (width, d) in ((4, 1), (8, 1), (8, 2)) and self.in_features % 32 == 0
-                       else None)
+                       and tables.device.type == "cpu" else None)  # only the CPU's 8-bit kernels read them
             self._layout, self._layout_key = KernelLayout(layout, width, sparse, tables.detach().contiguous(), rounded), key
         return self._layout
 
