@@ -4,14 +4,17 @@
 1. ``products``: one decode-sized product (batch 1, float16) on LLaMA-7B's layer shapes, the
    shipped layouts against cuBLAS, eager and replayed from a CUDA graph, with the fraction of
    the weight bytes' bound each reaches (``bench_runtime.layer_rows``).
-2. ``decode``: whole-model greedy decoding at batch 1 replayed from a CUDA graph on a static KV
+2. ``eager``: where one eager call of the 4-bit recipe's layer spends its time, each level of
+   the call stack (layer, dispatcher, Triton wrapper, the launch alone) timed by itself:
+   what decoding without a CUDA graph pays per product.
+3. ``decode``: whole-model greedy decoding at batch 1 replayed from a CUDA graph on a static KV
    cache (``StaticDecoder``): a 7B-shaped LLaMA and SmolLM2-135M's shape, random weights built
    on the device from configs (the speed does not depend on the values), dense float16 against
    the 4-bit recipe's layout and svd 40 %.
-3. ``pipeline``: ``calibrate`` + ``compress`` (one-shot, in this process) of a 7B-shaped LLaMA cut
+4. ``pipeline``: ``calibrate`` + ``compress`` (one-shot, in this process) of a 7B-shaped LLaMA cut
    to 2 and 4 layers with ``offload: cpu``, for Basis Sharing 20 %, SVD-LLM 20 % and the 4-bit
-   k-means recipe: seconds (and seconds a layer from the difference, extrapolated to 32 layers)
-   and peak GPU memory against one decoder layer's bytes.
+   k-means recipe (``--methods`` picks and orders them): seconds (and seconds a layer from the
+   difference, extrapolated to 32 layers) and peak GPU memory against one decoder layer's bytes.
 
 Parts run in that order; one that would start after ``--minutes`` is listed as skipped, so the
 table comes back whatever happens; a part that fails is listed with its traceback and the
@@ -19,7 +22,7 @@ next one runs; pipeline runs print their rows as they end and none starts after
 ``--pipeline-minutes``. ``--dry-run`` runs the same code on the CPU with tiny shapes
 (seconds; the test suite runs it, so the script cannot rot between GPU sessions).
 
-Usage: python scripts/gpu_check.py [--out outputs/gpu_check] [--parts products decode pipeline]
+Usage: python scripts/gpu_check.py [--out outputs/gpu_check] [--parts products eager decode pipeline]
        python scripts/gpu_check.py --dry-run
 """
 
@@ -38,8 +41,8 @@ import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling benchmark's helpers
-from bench_runtime import (LAYER_COLS, LAYER_SHAPES, MODELS, RECIPES, graph_decode_seconds, layer_rows,  # noqa: E402
-                           markdown, random_layout)
+from bench_runtime import (LAYER_COLS, LAYER_SHAPES, MODELS, RECIPES, best_seconds, graph_decode_seconds,  # noqa: E402
+                           layer_rows, markdown, random_layout, random_palettized)
 
 from wscompress import kernels  # noqa: E402
 from wscompress.evaluation.decode import StaticDecoder  # noqa: E402
@@ -59,6 +62,7 @@ SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, nu
 TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=49152, tie_word_embeddings=False)  # the dry run's stand-in for both (SmolLM2's tokenizer)
 FOUR_BIT = RECIPES["configs/kmeans_4bit.yaml"]
+FOUR_BIT_STAGE = MODELS[FOUR_BIT][0]
 PIPELINE = {"Basis Sharing 20 %": "basis_sharing.yaml", "SVD-LLM 20 %": "svd_llm.yaml", "kmeans 4-bit": "kmeans_4bit.yaml"}
 
 
@@ -93,11 +97,37 @@ def products(device: torch.device, dtype: torch.dtype, dry: bool) -> tuple[str, 
     return "One product at batch 1 (random weights; bound = weight bytes / copy bandwidth)", rows, cols
 
 
+@torch.no_grad()
+def eager(device: torch.device, dtype: torch.dtype, dry: bool, calls: int = 200) -> tuple[str, list[dict], list[str]]:
+    """Where an eager call of the 4-bit recipe's layer spends its time (what decoding without a
+    CUDA graph pays per product): each level of the call stack timed alone, outermost first."""
+    out_f, in_f = (256, 128) if dry else (4096, 4096)
+    layer = random_palettized(out_f, in_f, FOUR_BIT_STAGE, torch.Generator(device).manual_seed(0)).to(dtype)
+    dense = torch.nn.Linear(in_f, out_f, bias=False).to(device, dtype)
+    x = torch.randn(1, in_f, device=device, dtype=dtype)
+    layer(x)  # the layout and the launch picked before timing
+    lay, scale = layer.kernel_layout(), layer.scale
+    levels = {"dense F.linear": lambda: dense(x),
+              "PalettizedLinear call": lambda: layer(x),
+              "kernels.palettized_linear": lambda: kernels.palettized_linear(
+                  x, lay.indices, lay.width, lay.tables, layer.group_size, out_f, lay.outliers, lay.rounded, scale)}
+    gpu = kernels.lut_gpu() if device.type == "cuda" else None
+    if gpu is not None:
+        launch = gpu._pick(x, lay.indices, lay.width, lay.tables, layer.group_size, out_f, lay.outliers, scale)
+        levels["lut_triton.lut_linear"] = lambda: gpu.lut_linear(x, lay.indices, lay.width, lay.tables, layer.group_size,
+                                                                 out_f, lay.outliers, scale)
+        levels[f"Triton launch alone ({launch})"] = lambda: gpu._run(launch, x, lay.indices, lay.width, lay.tables,
+                                                                     layer.group_size, out_f, lay.outliers, scale)
+    rows = [{"level": name, "us per call": round(best_seconds(lambda f=f: [f() for _ in range(calls)], device)
+                                                 / calls * 1e6, 1)} for name, f in levels.items()]
+    return f"One eager call at batch 1 on {out_f} x {in_f}, {calls} calls, best of 5", rows, ["level", "us per call"]
+
+
 def decode(device: torch.device, dtype: torch.dtype, dry: bool, tokens: int = 16, rounds: int = 3) -> tuple:
     bandwidth, rows = copy_bandwidth(device), []
     graph = device.type == "cuda"
     shapes = {"tiny (dry run)": TINY} if dry else {"LLaMA-7B shape": LLAMA_7B, "SmolLM2-135M shape": SMOLLM2}
-    builds = {"dense": lambda m: None, "4-bit recipe layout": lambda m: random_layout(m, MODELS[FOUR_BIT][0]),
+    builds = {"dense": lambda m: None, "4-bit recipe layout": lambda m: random_layout(m, FOUR_BIT_STAGE),
               "svd 40 %": lambda m: low_rank(m, 0.4)}
     for shape_name, shape in shapes.items():
         dense_tps = None
@@ -138,7 +168,8 @@ def save_model(shape: dict, layers: int, dtype: torch.dtype, folder: Path) -> Pa
     return folder
 
 
-def pipeline(device: torch.device, dry: bool, out: Path, deadline: float, dtype: torch.dtype = torch.float16) -> tuple:
+def pipeline(device: torch.device, dry: bool, out: Path, deadline: float, methods: list[str],
+             dtype: torch.dtype = torch.float16) -> tuple:
     """(float16 in the dry run too: the path a 7B model takes is the one checked.) Each run's
     row is printed as it ends, and none starts after ``deadline`` (perf_counter seconds), so
     what finished comes back even when the machine's time runs out mid-part."""
@@ -146,7 +177,8 @@ def pipeline(device: torch.device, dry: bool, out: Path, deadline: float, dtype:
     layer_mb = sum(p.numel() for p in random_model({**shape, "num_hidden_layers": 1}, torch.device("meta"),
                                                    dtype).model.layers[0].parameters()) * dtype.itemsize / 2**20
     rows = []
-    for label, config in PIPELINE.items():  # by method, the fastest first; both depths (Basis Sharing's groups are 2 layers)
+    for label in methods:  # both depths of each (Basis Sharing's groups are 2 layers)
+        config = PIPELINE[label]
         for depth in (2, 4):
             if time.perf_counter() > deadline:
                 print(f"pipeline: {label} at {depth} layers skipped (out of time)", flush=True)
@@ -170,7 +202,7 @@ def pipeline(device: torch.device, dry: bool, out: Path, deadline: float, dtype:
             rows.append(row)
             print("pipeline row:", json.dumps(row), flush=True)
             shutil.rmtree(out / "runs" / f"{config}-{depth}", ignore_errors=True)
-    for label in PIPELINE:  # seconds a layer from the two depths; the fixed part stays
+    for label in methods:  # seconds a layer from the two depths; the fixed part stays
         both = [r for r in rows if r["method"] == label]
         if len(both) < 2:
             continue
@@ -190,8 +222,10 @@ def pipeline(device: torch.device, dry: bool, out: Path, deadline: float, dtype:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dry-run", action="store_true", help="the same code on the CPU with tiny shapes")
-    ap.add_argument("--parts", nargs="+", default=["products", "decode", "pipeline"],
-                    choices=["products", "decode", "pipeline"])
+    ap.add_argument("--parts", nargs="+", default=["products", "eager", "decode", "pipeline"],
+                    choices=["products", "eager", "decode", "pipeline"])
+    ap.add_argument("--methods", nargs="+", default=list(PIPELINE), choices=list(PIPELINE),
+                    help="the pipeline part's methods, in this order")
     ap.add_argument("--minutes", type=float, default=8.0, help="no part starts after this")
     ap.add_argument("--pipeline-minutes", type=float, default=8.0, help="no pipeline run starts after this")
     ap.add_argument("--out", type=Path, default=REPO / "outputs" / "gpu_check")
@@ -211,9 +245,10 @@ def main() -> None:
         began = time.perf_counter()
         try:
             title, rows, cols = {"products": lambda: products(device, dtype, args.dry_run),
+                                 "eager": lambda: eager(device, dtype, args.dry_run),
                                  "decode": lambda: decode(device, dtype, args.dry_run),
                                  "pipeline": lambda: pipeline(device, args.dry_run, args.out,
-                                                              start + args.pipeline_minutes * 60)}[part]()
+                                                              start + args.pipeline_minutes * 60, args.methods)}[part]()
         except Exception:  # noqa: BLE001 - one GPU session a run: the other parts still get measured
             parts.append(f"## {part}\n\nfailed:\n\n```\n{traceback.format_exc()[-3000:]}```")
             print(parts[-1], flush=True)

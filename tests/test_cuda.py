@@ -149,18 +149,20 @@ def test_bench_times_with_cuda_events_and_reports_gpu_memory(tmp_path, tiny_dir)
 
 @pytest.mark.parametrize("width,outliers,d", [(4, 0, 1), (4, 40, 1), (8, 0, 1), (8, 40, 2), (8, 0, 4)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_every_triton_launch_gives_the_reference_product(width, outliers, d, dtype):
-    """Each blocking and input split the kernel may pick on a GPU (the interpreter runs two),
-    on a 7B-sized down projection's input width, with and without outliers folded in, for
-    scalar tables and vectors of 2 and 4 weights (float16 ones read as one integer), with row scales."""
+@pytest.mark.parametrize("group", [1, 8])
+def test_every_triton_launch_gives_the_reference_product(width, outliers, d, dtype, group):
+    """Each blocking, input split and table access the kernel may pick on a GPU (the
+    interpreter runs a few), on a 7B-sized down projection's input width, with and without
+    outliers folded in, for scalar tables and vectors of 2 and 4 weights (read as one integer
+    where they fit one), a table per row or per 8 rows (gathered from by a program's rows), with row scales."""
     from wscompress.kernels import lut_triton
     from wscompress.model.modeling_wscompress import SparseRows
 
     gen = torch.Generator().manual_seed(6)
     out_f, in_f, levels = 1000, 4096 + 128, 16 if width == 4 else 256
     idx = torch.randint(0, levels, (out_f, in_f // d), generator=gen)
-    tables = torch.randn(out_f, levels, d, generator=gen).to(dtype)
-    weight = tables.float().gather(1, idx[..., None].expand(-1, -1, d)).flatten(1)
+    tables = torch.randn(out_f // group, levels, d, generator=gen).to(dtype)
+    weight = tables.float().repeat_interleave(group, 0).gather(1, idx[..., None].expand(-1, -1, d)).flatten(1)
     sparse = None
     if outliers:
         pos = torch.randperm(out_f * in_f, generator=gen)[:outliers * out_f]  # ~1 % of each row
@@ -176,8 +178,8 @@ def test_every_triton_launch_gives_the_reference_product(width, outliers, d, dty
         x = torch.randn(rows, in_f, generator=gen).to(dtype)
         expected = (x.double() @ weight.double().T) * scale.double()
         tol = 1e-4 if dtype == torch.float32 else 1e-2
-        for launch in lut_triton.CANDIDATES:
-            y = lut_triton._run(launch, x.to(CUDA), packed, width, tables, 1, out_f, sparse, scale.to(CUDA, dtype))
+        for launch in lut_triton.launches(width, tables, group):
+            y = lut_triton._run(launch, x.to(CUDA), packed, width, tables, group, out_f, sparse, scale.to(CUDA, dtype))
             torch.testing.assert_close(y.cpu().double(), expected, rtol=tol, atol=tol * 10, msg=str(launch))
 
 

@@ -18,7 +18,7 @@ def test_gpu_check_dry_run(tmp_path):
                           env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads((tmp_path / "gpu_check.json").read_text())
-    products, decode, pipeline = results["products"], results["decode"], results["pipeline"]
+    products, eager, decode, pipeline = (results[part] for part in ("products", "eager", "decode", "pipeline"))
     assert {r["model"] for r in products} >= {"dense", "kmeans 4-bit per channel",
                                               "kmeans 4-bit, 2-d vectors per 64 channels + row scales + 0.07 % outliers"}
     assert all(r["us per call"] > 0 for r in products)
@@ -26,6 +26,8 @@ def test_gpu_check_dry_run(tmp_path):
     assert all(float(r["error"]) < 3e-3 for r in palettized)  # the timed products are the layers' (8-bit activations on CPU)
     if kernels.lut() is not None:
         assert {r["path"] for r in palettized} == {"kernel"}
+    assert [r["level"] for r in eager][:3] == ["dense F.linear", "PalettizedLinear call", "kernels.palettized_linear"]
+    assert all(r["us per call"] > 0 for r in eager)
     assert [r["model"] for r in decode] == ["dense", "4-bit recipe layout", "svd 40 %"]
     assert decode[1]["resident MB"] < decode[0]["resident MB"]  # the layouts were really swapped in
     assert all(r["decode tok/s"] > 0 for r in decode)
@@ -34,4 +36,4 @@ def test_gpu_check_dry_run(tmp_path):
     assert all(r["compress s"] > 0 and r["compress peak MB"] > 0 for r in pipeline)
     assert all("compress s at 32 layers" in r for r in pipeline if r["layers"] == 4)
     table = (tmp_path / "gpu_check.md").read_text()
-    assert table.count("\n## ") == 3 and "skipped" not in table and "failed" not in table
+    assert table.count("\n## ") == 4 and "skipped" not in table and "failed" not in table

@@ -30,11 +30,14 @@ from triton.testing import do_bench
 
 
 class Launch(NamedTuple):
-    """One way to run the kernel: rows per program, inputs per step, warps, input stretches."""
+    """One way to run the kernel: rows per program, inputs per step, warps, input stretches, and
+    whether a program holds its rows' one table and gathers from it (``shared``) instead of
+    loading each look-up through the cache."""
     block_n: int
     block_k: int
     warps: int
     split: int
+    shared: bool = False
 
 
 # Few rows per program give more programs; longer steps fewer loop trips; splits more programs
@@ -44,16 +47,37 @@ CANDIDATES = [Launch(n, k, w, s) for n, k, w in [(32, 256, 4), (16, 256, 4), (8,
               for s in (1, 2, 4, 8)]
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 _picked: dict[tuple, Launch] = {}
+PACK = {2: torch.int16, 4: torch.int32, 8: torch.int64}  # a vector of this many bytes read as one integer
+TL_FLOAT = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
+def launches(width: int, tables: torch.Tensor, group_size: int) -> list[Launch]:
+    """The candidates for this layout: CANDIDATES, and at width 8 where a program's rows all read
+    one table (row blocks within a group) held as one value a look-up (scalars or packed
+    vectors), each of them again with that table gathered from (``shared``): a 256-entry table
+    read through the cache costs a transaction per distinct line a warp touches, and which way
+    wins is the GPU's to say."""
+    d = tables.shape[2] if tables.dim() == 3 else 1
+    one_value = d == 1 or _packed(tables)
+    return CANDIDATES + [c._replace(shared=True) for c in CANDIDATES
+                         if width == 8 and one_value and group_size % c.block_n == 0]
+
+
+def _packed(tables: torch.Tensor) -> bool:
+    """Whether a vector table's entries are read as one integer each (2 or 4 floats of 16 or 32 bits)."""
+    return tables.dim() == 3 and tables.dtype in TL_FLOAT and tables.shape[2] * tables.dtype.itemsize in (4, 8)
 
 
 @triton.jit
 def _lut_gemv(x_ptr, idx_ptr, tab_ptr, y_ptr, row_ptr, out_col, out_delta, scale_ptr, n_out, n_in, group_size,
               table_len, k_split, WIDTH: tl.constexpr, D: tl.constexpr, PACKED: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr, OUTLIERS: tl.constexpr, SCALED: tl.constexpr):
+              BLOCK_K: tl.constexpr, OUTLIERS: tl.constexpr, SCALED: tl.constexpr, SHARED: tl.constexpr,
+              TABLE: tl.constexpr):
     """y[s, m, rows] = scale[rows] * (sum over stretch s of tables[row // group_size, idx[row, k]] * x[m, k]
     (+ the outliers of these rows in stretch 0)); grid (row blocks, stretches, m). At width 8 an
     index names a vector of D consecutive weights; PACKED (a float type) says the table holds a
-    vector as one integer of D such floats, read with one load."""
+    vector as one integer of D such floats, read with one load; SHARED, that the program's rows
+    share one table of TABLE values, which it loads once and gathers from."""
     m = tl.program_id(2).to(tl.int64)
     s = tl.program_id(1)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -79,20 +103,29 @@ def _lut_gemv(x_ptr, idx_ptr, tab_ptr, y_ptr, row_ptr, out_col, out_delta, scale
             acc += tl.sum(lo * xe[None, :] + hi * xo[None, :], axis=1)
     else:  # one index a byte, naming a vector of D weights: a step covers BLOCK_K inputs, BLOCK_K // D indices
         n_vec = n_in // D
+        if SHARED:  # the block's rows lie in one group (group_size % BLOCK_N == 0)
+            shared = tl.load(tab_ptr + (tl.program_id(0).to(tl.int64) * BLOCK_N // group_size) * table_len
+                             + tl.arange(0, TABLE))
         for k0 in range(0, k_split // D, BLOCK_K // D):
             j = k_lo // D + k0 + tl.arange(0, BLOCK_K // D)
             in_range = j < n_vec
             ok = row_ok[:, None] & in_range[None, :]
             b = tl.load(idx_ptr + rows[:, None] * n_vec + j[None, :], mask=ok, other=0).to(tl.int32)
-            if PACKED is not None:  # the vector in one load (the look-ups, not the bytes, bound this loop)
+            if SHARED:
+                v = tl.reshape(tl.gather(shared, tl.reshape(b, [BLOCK_N * (BLOCK_K // D)]), 0), [BLOCK_N, BLOCK_K // D])
+            elif PACKED is not None or D == 1:
                 v = tl.load(table[:, None] + b, mask=ok, other=0)
+            if PACKED is not None:  # the vector in one look-up (the look-ups, not the bytes, bound this loop)
                 bits: tl.constexpr = PACKED.primitive_bitwidth
                 for c in tl.static_range(D):
                     part = ((v >> (c * bits)) & ((1 << bits) - 1)).to(tl.int16 if bits == 16 else tl.int32)
                     w = part.to(PACKED, bitcast=True).to(tl.float32)
                     xv = tl.load(x_row + j * D + c, mask=in_range, other=0.0).to(tl.float32)
                     acc += tl.sum(w * xv[None, :], axis=1)
-            else:
+            elif D == 1:
+                xv = tl.load(x_row + j, mask=in_range, other=0.0).to(tl.float32)
+                acc += tl.sum(v.to(tl.float32) * xv[None, :], axis=1)
+            else:  # vectors of more bytes than an integer: a load a component
                 for c in tl.static_range(D):
                     w = tl.load(table[:, None] + b * D + c, mask=ok, other=0.0).to(tl.float32)
                     xv = tl.load(x_row + j * D + c, mask=in_range, other=0.0).to(tl.float32)
@@ -115,15 +148,11 @@ def _lut_gemv(x_ptr, idx_ptr, tab_ptr, y_ptr, row_ptr, out_col, out_delta, scale
     tl.store(y_ptr + (s * tl.num_programs(2) + m) * n_out + rows, acc.to(y_ptr.dtype.element_ty), mask=row_ok)
 
 
-PACK = {2: torch.int16, 4: torch.int32, 8: torch.int64}  # a vector of this many bytes read as one integer
-TL_FLOAT = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
-
-
 def _run(launch: Launch, x: torch.Tensor, indices: torch.Tensor, width: int, tables: torch.Tensor, group_size: int,
          out_features: int, outliers, scale: torch.Tensor | None = None) -> torch.Tensor:
     rows, n_in = x.shape
     d = tables.shape[2] if tables.dim() == 3 else 1
-    packed = d > 1 and tables.dtype in TL_FLOAT and d * tables.dtype.itemsize in (4, 8)
+    packed = _packed(tables)
     flat = tables.reshape(tables.shape[0], -1)
     if packed:  # (groups, K) integers, each a vector of d floats
         flat = flat.view(PACK[d * tables.dtype.itemsize])
@@ -136,7 +165,7 @@ def _run(launch: Launch, x: torch.Tensor, indices: torch.Tensor, width: int, tab
         x, indices, flat, y, row_ptr, col, delta, y if scale is None else scale, out_features, n_in, group_size,
         flat.shape[1], k_split, WIDTH=width, D=d, PACKED=TL_FLOAT[tables.dtype] if packed else None,
         BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, OUTLIERS=outliers is not None, SCALED=scale is not None,
-        num_warps=launch.warps)
+        SHARED=launch.shared, TABLE=flat.shape[1], num_warps=launch.warps)
     return y[0] if split == 1 else y.sum(0).to(x.dtype)
 
 
@@ -147,10 +176,12 @@ def _pick(x: torch.Tensor, indices: torch.Tensor, width: int, tables: torch.Tens
     key = (x.device, x.dtype, x.shape, out_features, width, group_size, tables.shape[1:], tables.dtype,
            outliers is not None, scale is not None)
     if key not in _picked:
-        if INTERPRETED:
-            _picked[key] = CANDIDATES[0] if x.shape[0] % 2 else CANDIDATES[1]  # both paths, deterministically
+        options = launches(width, tables, group_size)
+        if INTERPRETED:  # unsplit (odd rows; from the shared table where it applies) and split: every path, deterministically
+            _picked[key] = options[-1]._replace(split=1) if x.shape[0] % 2 and options[-1].shared else (
+                CANDIDATES[0] if x.shape[0] % 2 else CANDIDATES[1])
         else:
-            useful = [c for c in CANDIDATES if c.split == 1 or x.shape[1] >= 2 * c.split * c.block_k]
+            useful = [c for c in options if c.split == 1 or x.shape[1] >= 2 * c.split * c.block_k]
             times = [do_bench(lambda c=c: _run(c, x, indices, width, tables, group_size, out_features, outliers, scale),
                               warmup=2, rep=10) for c in useful]
             _picked[key] = useful[min(range(len(useful)), key=times.__getitem__)]
