@@ -23,8 +23,8 @@ def environment() -> dict:
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     try:
         ours = version("wscompress")
-    except PackageNotFoundError:  # run from a source tree on PYTHONPATH, not installed
-        from .. import __version__ as ours
+    except PackageNotFoundError:  # run from a source tree on PYTHONPATH (a lent GPU machine): no metadata
+        ours = "source tree, not installed"
     return {"wscompress": ours, "torch": torch.__version__, "transformers": transformers.__version__,
             "python": platform.python_version(), "platform": platform.platform(),
             "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(), "gpu": gpu,
