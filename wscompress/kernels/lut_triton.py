@@ -1,11 +1,15 @@
 """Look-up-table matrix-vector product for palettized weights on CUDA, in Triton: the GPU twin
 of ``lut.cpp``'s decoding path. Each program owns a block of output rows and a stretch of the
 input: it reads the packed indices (half a byte a weight at 4 bits), looks each one up in its
-row group's table (16 entries at 4 bits, held in registers; 256 at 8 bits, read through the
-cache) and accumulates in float32, so the dense weight is never formed and decoding reads a
-quarter of the bytes a float16 weight takes. The
-weights kept aside from the codebook (outliers, by row) are added by the programs of the first
-stretch while their sums are in registers, as the CPU kernel does.
+row group's table and accumulates in float32, so the dense weight is never formed and decoding
+reads a quarter of the bytes a float16 weight takes. The tables:
+- 16 entries at 4 bits, held in registers.
+- Up to 256 at 8 bits, each entry a weight or a vector of 2 or 4 (the shipped recipes' pairs
+  and fours; a float16 vector is one integer, read with one load). They are read through the
+  cache, or, where a program's rows share one table, gathered from a copy the program holds.
+The weights kept aside from the codebook (outliers, by row) are added by the programs of the
+first stretch while their sums are in registers, as the CPU kernel does, and the row scales
+multiply the sums before they are stored.
 
 A decode-sized product has few output rows for a GPU: one program per row block would leave
 most of it idle while each program walks the whole input with one dependent load after another.
@@ -42,7 +46,7 @@ class Launch(NamedTuple):
 
 # Few rows per program give more programs; longer steps fewer loop trips; splits more programs
 # still, at one extra reduction. The interpreter (tests, on CPU) has nothing to time and runs
-# the ones it is given (the first unsplit and the first split, so both code paths are tested).
+# the ones ``_pick`` gives it (unsplit, split, and a shared table where one applies).
 CANDIDATES = [Launch(n, k, w, s) for n, k, w in [(32, 256, 4), (16, 256, 4), (8, 256, 2), (16, 512, 4), (64, 128, 4)]
               for s in (1, 2, 4, 8)]
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
