@@ -105,7 +105,8 @@ def main() -> None:
         palettized = palettize(module, layout, grams[name])
         delta = (palettized.dense_weight().detach() - w).double()
         by_row = delta @ gram
-        output = sampled = (by_row * delta).sum().item()
+        per_row = (by_row * delta).sum(1)  # (ΔW·G·ΔWᵀ)_rr
+        output = sampled = per_row.sum().item()
         cov = covariance[name]
         if (picked := measured_rows(w.shape[0], fitting)) is not None:  # as the budget measures it
             part = (palettize(nn.Module(), layout, grams[name], w[picked]).dense_weight().detach() - w[picked]).double()
@@ -114,7 +115,7 @@ def main() -> None:
         rows.append({"matrix": name, "bits": layout.bits, "cluster_dim": layout.cluster_dim,
                      "estimate": 0.5 * stats.sensitivity[name] * output,
                      "sampled estimate": 0.5 * stats.sensitivity[name] * sampled,
-                     "per-channel estimate": 0.5 * (cov.diagonal() * (by_row * delta).sum(1)).sum().item(),
+                     "per-channel estimate": 0.5 * (cov.diagonal() * per_row).sum().item(),
                      "K-FAC estimate": 0.5 * (cov * (by_row @ delta.T)).sum().item(), "output error": output,
                      "weight error": delta.pow(2).sum().item(), "loss increase": loss() - base})
         replace_everywhere(model, palettized, module)

@@ -257,7 +257,8 @@ def main() -> None:
             parts.append(f"## {part}\n\nfailed:\n\n```\n{traceback.format_exc()[-3000:]}```")
             print(parts[-1], flush=True)
             gc.collect()
-            torch.cuda.empty_cache() if device.type == "cuda" else None
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
             continue
         results[part] = rows
         parts.append(f"## {part} ({time.perf_counter() - began:.0f} s)\n\n{title}\n\n{markdown(rows, cols)}")

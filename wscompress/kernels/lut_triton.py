@@ -61,10 +61,14 @@ def launches(width: int, tables: torch.Tensor, group_size: int) -> list[Launch]:
     vectors), each of them again with that table gathered from (``shared``): a 256-entry table
     read through the cache costs a transaction per distinct line a warp touches, and which way
     wins is the GPU's to say."""
-    d = tables.shape[2] if tables.dim() == 3 else 1
-    one_value = d == 1 or _packed(tables)
+    one_value = _vector_len(tables) == 1 or _packed(tables)
     return CANDIDATES + [c._replace(shared=True) for c in CANDIDATES
                          if width == 8 and one_value and group_size % c.block_n == 0]
+
+
+def _vector_len(tables: torch.Tensor) -> int:
+    """Weights an index names: 1 for scalar tables (groups, K), d for vectors (groups, K, d)."""
+    return tables.shape[2] if tables.dim() == 3 else 1
 
 
 def _packed(tables: torch.Tensor) -> bool:
@@ -74,19 +78,19 @@ def _packed(tables: torch.Tensor) -> bool:
 
 @triton.jit
 def _lut_gemv(x_ptr, idx_ptr, tab_ptr, y_ptr, row_ptr, out_col, out_delta, scale_ptr, n_out, n_in, group_size,
-              table_len, k_split, WIDTH: tl.constexpr, D: tl.constexpr, PACKED: tl.constexpr, BLOCK_N: tl.constexpr,
+              k_split, WIDTH: tl.constexpr, D: tl.constexpr, PACKED: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_K: tl.constexpr, OUTLIERS: tl.constexpr, SCALED: tl.constexpr, SHARED: tl.constexpr,
               TABLE: tl.constexpr):
     """y[s, m, rows] = scale[rows] * (sum over stretch s of tables[row // group_size, idx[row, k]] * x[m, k]
     (+ the outliers of these rows in stretch 0)); grid (row blocks, stretches, m). At width 8 an
     index names a vector of D consecutive weights; PACKED (a float type) says the table holds a
-    vector as one integer of D such floats, read with one load; SHARED, that the program's rows
-    share one table of TABLE values, which it loads once and gathers from."""
+    vector as one integer of D such floats, read with one load; TABLE is the values a table
+    holds; SHARED says the program's rows share one table, which it loads once and gathers from."""
     m = tl.program_id(2).to(tl.int64)
     s = tl.program_id(1)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < n_out
-    table = tab_ptr + (rows // group_size) * table_len
+    table = tab_ptr + (rows // group_size) * TABLE
     x_row = x_ptr + m * n_in
     k_lo = s * k_split  # every stretch takes the same trips; the last one's past n_in are masked
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -108,7 +112,7 @@ def _lut_gemv(x_ptr, idx_ptr, tab_ptr, y_ptr, row_ptr, out_col, out_delta, scale
     else:  # one index a byte, naming a vector of D weights: a step covers BLOCK_K inputs, BLOCK_K // D indices
         n_vec = n_in // D
         if SHARED:  # the block's rows lie in one group (group_size % BLOCK_N == 0)
-            shared = tl.load(tab_ptr + (tl.program_id(0).to(tl.int64) * BLOCK_N // group_size) * table_len
+            shared = tl.load(tab_ptr + (tl.program_id(0).to(tl.int64) * BLOCK_N // group_size) * TABLE
                              + tl.arange(0, TABLE))
         for k0 in range(0, k_split // D, BLOCK_K // D):
             j = k_lo // D + k0 + tl.arange(0, BLOCK_K // D)
@@ -155,7 +159,7 @@ def _lut_gemv(x_ptr, idx_ptr, tab_ptr, y_ptr, row_ptr, out_col, out_delta, scale
 def _run(launch: Launch, x: torch.Tensor, indices: torch.Tensor, width: int, tables: torch.Tensor, group_size: int,
          out_features: int, outliers, scale: torch.Tensor | None = None) -> torch.Tensor:
     rows, n_in = x.shape
-    d = tables.shape[2] if tables.dim() == 3 else 1
+    d = _vector_len(tables)
     packed = _packed(tables)
     flat = tables.reshape(tables.shape[0], -1)
     if packed:  # (groups, K) integers, each a vector of d floats
@@ -167,7 +171,7 @@ def _run(launch: Launch, x: torch.Tensor, indices: torch.Tensor, width: int, tab
     row_ptr, col, delta = outliers if outliers is not None else (y, y, y)  # unused pointers when there are none
     _lut_gemv[(triton.cdiv(out_features, launch.block_n), split, rows)](
         x, indices, flat, y, row_ptr, col, delta, y if scale is None else scale, out_features, n_in, group_size,
-        flat.shape[1], k_split, WIDTH=width, D=d, PACKED=TL_FLOAT[tables.dtype] if packed else None,
+        k_split, WIDTH=width, D=d, PACKED=TL_FLOAT[tables.dtype] if packed else None,
         BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, OUTLIERS=outliers is not None, SCALED=scale is not None,
         SHARED=launch.shared, TABLE=flat.shape[1], num_warps=launch.warps)
     return y[0] if split == 1 else y.sum(0).to(x.dtype)
@@ -181,9 +185,9 @@ def _pick(x: torch.Tensor, indices: torch.Tensor, width: int, tables: torch.Tens
            outliers is not None, scale is not None)
     if key not in _picked:
         options = launches(width, tables, group_size)
-        if INTERPRETED:  # unsplit (odd rows; from the shared table where it applies) and split: every path, deterministically
-            _picked[key] = options[-1]._replace(split=1) if x.shape[0] % 2 and options[-1].shared else (
-                CANDIDATES[0] if x.shape[0] % 2 else CANDIDATES[1])
+        if INTERPRETED:  # odd rows unsplit (from the shared table where it applies), even rows split: every path
+            unsplit = options[-1]._replace(split=1) if options[-1].shared else CANDIDATES[0]
+            _picked[key] = unsplit if x.shape[0] % 2 else CANDIDATES[1]
         else:
             useful = [c for c in options if c.split == 1 or x.shape[1] >= 2 * c.split * c.block_k]
             times = [do_bench(lambda c=c: _run(c, x, indices, width, tables, group_size, out_features, outliers, scale),
