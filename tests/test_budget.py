@@ -200,3 +200,49 @@ def test_measurement_palettizes_whole_codebook_groups_of_large_matrices():
 
     sample = measured_rows(2048, [layout])
     assert cost(w[sample]) * 2048 / sample.numel() == pytest.approx(cost(w), rel=0.2)
+
+
+def test_calibrate_saves_the_sensitivities_a_budget_weighs(tmp_path, tiny_dir, monkeypatch):
+    """`wscompress calibrate` of a recipe with a budget keeps the output sensitivities beside the
+    Gram matrices, so the budget's measurement reads them instead of computing them again."""
+    from wscompress.io.checkpoints import load_model
+    from wscompress.methods.kmeans import every_use, target_layers
+    from wscompress.pipeline import calibration
+    from wscompress.pipeline.context import Context
+    from wscompress.workflow import stats_dir, step_calibrate
+
+    stage = {"method": "kmeans", "budget": {"bits_per_weight": 3.5}, "menu": MIXED, **QUICK}
+    recipe = load_recipe(data={"model": {"path": str(tiny_dir("llama"))}, "calibration": CALIBRATION,
+                               "compress": [stage], "output": {"dir": str(tmp_path / "run")}})
+    step_calibrate(recipe)
+    model, tok = load_model(recipe.model)
+    cfg = recipe.compress[0]
+    names = every_use(model, target_layers(model, cfg))
+    monkeypatch.setattr(calibration, "output_sensitivity", lambda *a, **k: pytest.fail("sensitivities were recomputed"))
+    stats = Context(recipe.calibration, tok, saved=stats_dir(recipe)).stats(model, names, cfg.sensitivity_samples)
+    assert set(names) <= set(stats.sensitivity) and all(v > 0 for v in stats.sensitivity.values())
+
+
+def test_one_factorisation_serves_every_layout_of_a_matrix(monkeypatch):
+    """Error feedback's factor of the inverse Gram matrix depends on the input and the vector
+    length only: shared through GramFactors, it is computed once per length, and every result is
+    the one a fresh factorisation gives."""
+    import torch
+
+    from wscompress.maths import clustering
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(256, 32, generator=gen) @ torch.randn(32, 64, generator=gen)
+    w, gram = torch.randn(128, 64, generator=gen), x.T @ x
+    layouts = [KMeansConfig(bits=b, cluster_dim=d, granularity="grouped", group_size=64, iterations=20, outliers=0.01)
+               for b, d in ((3, 2), (4, 2), (5, 2), (6, 4))]
+    fresh = [palettize(nn.Module(), cfg, gram, w) for cfg in layouts]
+    calls = []
+    cholesky = torch.linalg.cholesky
+    monkeypatch.setattr(torch.linalg, "cholesky", lambda *a, **k: calls.append(1) or cholesky(*a, **k))
+    shared = clustering.GramFactors(gram)
+    for cfg, alone in zip(layouts, fresh):
+        layer = palettize(nn.Module(), cfg, shared, w)
+        assert torch.equal(layer.index_matrix(), alone.index_matrix()) and torch.equal(layer.codebook, alone.codebook)
+        assert torch.equal(layer.outlier_value, alone.outlier_value)
+    assert len(calls) == 2 * 2  # two Cholesky factorisations a vector length: d = 2 and d = 4

@@ -139,11 +139,11 @@ def test_error_feedback_lowers_the_layer_output_error(d):
     codebook, idx = cluster(w.view(32, -1, d), 2)
     gram = x.T.double() @ x.double()
     err = lambda i: ((w - torch.gather(codebook, 1, i[..., None].expand(-1, -1, d)).reshape(32, 64)) @ x.T).norm()
-    fed, _ = clustering.assign(w, codebook, 1, gram)
+    fed, _ = clustering.assign(w, codebook, 1, clustering.GramFactors(gram))
     assert err(fed) < 0.8 * err(idx)
     exact = torch.zeros_like(w, dtype=torch.bool)
     exact[3, 5] = exact[10, 60] = True
-    _, values = clustering.assign(w, codebook, 1, gram, exact)
+    _, values = clustering.assign(w, codebook, 1, clustering.GramFactors(gram), exact)
     assert values.shape == (2,) and torch.isfinite(values).all()
 
 

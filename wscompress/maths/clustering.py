@@ -241,8 +241,36 @@ def nearest(points: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
     return order.gather(1, torch.searchsorted(mids, points[..., 0].contiguous()))
 
 
+class GramFactors:
+    """A layer input's Gram matrix and what ``assign`` derives from it, computed on first use and
+    kept: per chunk length d and dampening, the order of decreasing input energy and the Cholesky
+    factor of the damped inverse in that order (a float64 factorisation as long as the matrix is
+    wide). The modules that read one input share it, and so do the layouts a budget measures on
+    one matrix."""
+
+    def __init__(self, gram: torch.Tensor):
+        self.gram = gram
+        self._factors: dict[tuple[int, float, torch.device], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def factor(self, d: int, damp: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(dead inputs, column order, upper factor U with UᵀU = H⁻¹ in that order, float32) for
+        chunks of d columns, H = Gram + ``damp`` x its mean diagonal."""
+        key = (d, damp, torch.device(device))
+        if key not in self._factors:
+            h = self.gram.to(device).double().clone()
+            dead = h.diagonal() == 0  # inputs that are always zero: their weights never matter
+            h[dead, dead] = 1
+            order = h.diagonal().view(-1, d).sum(1).argsort(descending=True)
+            perm = (order[:, None] * d + torch.arange(d, device=device)).reshape(-1)
+            h = h[perm][:, perm]
+            h += damp * h.diagonal().mean() * torch.eye(len(h), dtype=h.dtype, device=device)
+            u = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).float()
+            self._factors[key] = dead, perm, u
+        return self._factors[key]
+
+
 @torch.no_grad()
-def assign(weight: torch.Tensor, codebook: torch.Tensor, group_size: int, gram: torch.Tensor,
+def assign(weight: torch.Tensor, codebook: torch.Tensor, group_size: int, grams: GramFactors,
            exact: torch.Tensor | None = None, damp: float = 0.01, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
     """Indices (out, in / d) of ``weight`` (out, in) in ``codebook`` (groups, K, d) chosen with
     error feedback, and the final values of the weights marked ``exact`` (kept aside, e.g.
@@ -257,16 +285,10 @@ def assign(weight: torch.Tensor, codebook: torch.Tensor, group_size: int, gram: 
     out, inp = weight.shape
     d = codebook.shape[-1]
     w = weight.detach().float().clone()
-    h = gram.to(w.device).double().clone()
-    dead = h.diagonal() == 0  # inputs that are always zero: their weights never matter
-    h[dead, dead] = 1
+    dead, perm, u = grams.factor(d, damp, w.device)
     w[:, dead] = 0
-    order = h.diagonal().view(-1, d).sum(1).argsort(descending=True)
-    perm = (order[:, None] * d + torch.arange(d, device=w.device)).reshape(-1)
-    w, h = w[:, perm], h[perm][:, perm]
+    w = w[:, perm]
     keep = None if exact is None else exact[:, perm]
-    h += damp * h.diagonal().mean() * torch.eye(inp, dtype=h.dtype, device=h.device)
-    u = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).float()
     rows = codebook.to(w).repeat_interleave(group_size, 0) if codebook.shape[0] > 1 else codebook.to(w).expand(out, -1, -1)
     if d == 1:  # nearest centroid by binary search between the sorted centroids of each row
         sorted_c, c_order = rows[..., 0].sort(1)
@@ -293,6 +315,6 @@ def assign(weight: torch.Tensor, codebook: torch.Tensor, group_size: int, gram: 
                 w1[:, c] = q[:, c - j]
         w[:, i1:i2] = w1
         w[:, i2:] -= err @ u[i1:i2, i2:]
-    inverse = order.argsort()
+    chunks = perm[::d] // d  # the order the chunks went in
     values = w[:, perm.argsort()]
-    return idx[:, inverse], values if exact is None else values[exact]
+    return idx[:, chunks.argsort()], values if exact is None else values[exact]

@@ -44,7 +44,7 @@ from ..io.files import cache_dir
 from ..io.data import first_samples
 from ..io.offload import offload_of
 from ..maths import knapsack
-from ..maths.clustering import assign, cluster
+from ..maths.clustering import GramFactors, assign, cluster
 from ..maths.linalg import solve_coefficients
 from ..model.arch import LINEAR_TYPES, Conv1D, dims_of, discover, distinct, match_modules, replace_everywhere, weight_of
 from ..model.modeling_wscompress import CodebookDtype, PalettizedEmbedding, PalettizedLinear, entropy, packed_nbytes
@@ -101,6 +101,11 @@ class KMeansConfig(TargetedStage, LayerRefit):
     @property
     def needs_statistics(self) -> bool:
         return self.sensitivity != "none" or self.error_feedback or self.refit or self.budget is not None
+
+    @property
+    def allocates(self) -> bool:
+        """A budget weighs each matrix by its output sensitivity: `calibrate` saves them too."""
+        return self.budget is not None
 
     def check(self, model: nn.Module) -> None:
         """Every target pattern names a linear, the options tile each one (under a budget: some
@@ -230,14 +235,17 @@ def layer_report(name: str, weight: torch.Tensor, layer: PalettizedLinear) -> di
     return row
 
 
-def palettize(module: nn.Module, cfg: KMeansConfig, gram: torch.Tensor | None = None,
+def palettize(module: nn.Module, cfg: KMeansConfig, gram: torch.Tensor | GramFactors | None = None,
               weight: torch.Tensor | None = None) -> PalettizedLinear:
     """Cluster one linear's weight (or ``weight`` in its place, (out, in)) into a PalettizedLinear
-    (on the weight's device); ``gram`` (its inputs' XᵀX) enables the sensitivity weighting and
-    error feedback the config asks for."""
+    (on the weight's device); ``gram`` (its inputs' XᵀX, or it wrapped in ``GramFactors`` where
+    several calls share its factorisation) enables the sensitivity weighting and error feedback
+    the config asks for."""
     w = weight_of(module).detach() if weight is None else weight
     out, inp = w.shape
     gs, d = group_size_of(cfg, out), cfg.cluster_dim
+    grams = GramFactors(gram) if isinstance(gram, torch.Tensor) else gram
+    gram = None if grams is None else grams.gram
     energy = gram.diagonal().float().clamp_min(0).to(w.device) if gram is not None and cfg.sensitivity != "none" else \
         torch.ones(inp, device=w.device)
     store = lambda t: t.to(getattr(torch, cfg.codebook_dtype)).to(w.dtype)  # noqa: E731  (rounded as saved)
@@ -257,7 +265,7 @@ def palettize(module: nn.Module, cfg: KMeansConfig, gram: torch.Tensor | None = 
                             cfg.seed, weights.reshape(out // gs, -1))
     codebook = store(codebook)  # feedback sees the stored values
     if cfg.error_feedback and gram is not None:  # rows are independent in GPTQ: scaling one scales its problem
-        idx, values = assign(norm, codebook, gs, gram, aside if count else None, cfg.damp)
+        idx, values = assign(norm, codebook, gs, grams, aside if count else None, cfg.damp)
         values = values if scale is None else values * scale[:, None].expand(-1, inp)[aside]
     else:
         idx, values = idx.reshape(out, inp // d), w[aside]
@@ -299,12 +307,12 @@ class _Palettize:
 
     def finish(self) -> tuple[dict[str, nn.Module], dict[str, torch.Tensor]]:
         gram, cross = self.sums.gram(), self.sums.cross
-        new = {}
+        grams, new = GramFactors(gram), {}  # q/k/v (gate/up) read one input: factorised once
         for name, module in self.modules.items():
             w = self.weights[name]
             best = w if cross is None else \
                 solve_coefficients(gram, w.double() @ cross.to(w.device), self.cfg.ridge, w).to(w.dtype)
-            new[name] = palettize(module, self.layouts[name], gram, best)
+            new[name] = palettize(module, self.layouts[name], grams, best)
             self.rows.append(layer_report(name, w, new[name]))
         return new, {}
 
@@ -372,23 +380,28 @@ def measure(model: nn.Module, cfg: KMeansConfig, menu: list[KMeansConfig], layer
     measured on ``measured_rows`` and scaled to the matrix; its bytes are ``layout_bytes``."""
     offload, every = offload_of(model), every_use(model, layers)
     stats = ctx.stats(model, every, cfg.sensitivity_samples) if every else None
-    grams: Mapping[str, torch.Tensor] = SharedGrams(model, every, stats) if every else {}
+    grams: SharedGrams | dict = SharedGrams(model, every, stats) if every else {}
     names = [n for group in by_layer.values() for n in group]
     costs, sizes = np.full((len(names), len(menu)), np.inf), np.zeros((len(names), len(menu)), dtype=np.int64)
     row = 0
     for i, group in ui.track(list(by_layer.items()), f"kmeans budget: {len(menu)} layouts a matrix"):
+        shared: dict[tuple[str, ...], GramFactors] = {}  # one per input (q/k/v read one), factorised once for all layouts
         with offload.onload([] if i is None else [i]):
             for name in group:
-                w, gram = weight_of(layers[name]).detach(), grams.get(name)
+                w = weight_of(layers[name]).detach()
+                key = tuple(grams.parts[name]) if name in grams else None
+                if key is not None and key not in shared:
+                    shared[key] = GramFactors(grams[name].to(w.device).double())
+                factors = shared.get(key)
                 sensitivity = stats.sensitivity.get(name, 1.0) if stats is not None else 1.0
                 fitting = [j for j, layout in enumerate(menu) if not misfit(model, name, layers[name], layout)]
                 rows = measured_rows(w.shape[0], [menu[j] for j in fitting])
                 sample = w if rows is None else w[rows.to(w.device)]
                 for j in fitting:  # a layout that does not tile this matrix costs infinity: never chosen
                     # a bias-less stand-in for the module: the sample's rows are not the module's
-                    palettized = palettize(nn.Module(), menu[j], gram, sample)
+                    palettized = palettize(nn.Module(), menu[j], factors, sample)
                     delta = (palettized.dense_weight().detach() - sample).double()
-                    error = (delta @ gram.to(delta.device).double() * delta).sum() if gram is not None else delta.pow(2).sum()
+                    error = (delta @ factors.gram * delta).sum() if factors is not None else delta.pow(2).sum()
                     costs[row, j] = 0.5 * sensitivity * error.item() * w.shape[0] / sample.shape[0]
                     sizes[row, j] = layout_bytes(*w.shape, menu[j])
                 row += 1
