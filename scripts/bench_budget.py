@@ -9,7 +9,13 @@ outputs/budget/<name>; the budget runs share one measurement (kept by the first,
 docs/clustering.md). `wscompress report` then merges them (comparison.md, and comparison.png:
 perplexity against size, the budget's curve and the uniform layouts on the same axes).
 
+`--bench` adds each folder's decode and prefill speed against the dense model (`wscompress
+bench`, batch 1, median of 5, both timed in one process; the CPU's vector flags are printed).
+`--finetune` runs each recipe with its training (the shipped 30 minutes) into
+outputs/budget/<name>-trained instead of one-shot.
+
 Usage: python scripts/bench_budget.py [--budgets 2.5 3.0 3.5 4.0] [--uniform 2 3 4] [--out outputs/budget]
+       [--bench] [--finetune]
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ import sys
 import time
 from pathlib import Path
 
+from wscompress.io.hardware import cpu_flags
+
 REPO = Path(__file__).resolve().parents[1]
 BUDGET_RECIPE = REPO / "configs" / "kmeans_budget_3bit.yaml"
 
@@ -31,15 +39,20 @@ def wscompress(*args: str) -> None:
     subprocess.run([str(Path(sys.executable).parent / "wscompress"), *args, "-q"], cwd=REPO, check=True)
 
 
-def run(recipe: Path, out: Path, calibration: Path, *sets: str) -> dict:
-    """One one-shot run from the shared calibration; its row of the table."""
+def run(recipe: Path, out: Path, calibration: Path, *sets: str, trained: bool = False, speed: bool = False) -> dict:
+    """One run from the shared calibration (one-shot unless ``trained``); its row of the table,
+    with the folder's speed against the dense model where ``speed``."""
     if not (out / "reports" / "eval.json").is_file():
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True)
         shutil.copytree(calibration, out / "calibration")
         start = time.perf_counter()
-        wscompress("run", str(recipe), "-o", str(out), "--set", "finetune.enabled=false", *(a for s in sets for a in ("--set", s)))
+        wscompress("run", str(recipe), "-o", str(out), *(() if trained else ("--set", "finetune.enabled=false")),
+                   *(a for s in sets for a in ("--set", s)))
         (out / "seconds").write_text(f"{time.perf_counter() - start:.0f}")
+    if speed:
+        wscompress("bench", str(recipe), "-o", str(out), *(a for s in sets for a in ("--set", s)),
+                   "--set", "bench.batch_sizes=[1]", "--set", "bench.repeats=5", "--set", "bench.breakdown=false")
     compress = json.loads((out / "reports" / "compress.json").read_text())
     evaluation = json.loads((out / "reports" / "eval.json").read_text())
     stage = compress["stages"][0]
@@ -48,8 +61,16 @@ def run(recipe: Path, out: Path, calibration: Path, *sets: str) -> dict:
     return {"run": out.name, "bits a weight": round(stage["bits_per_weight"], 3),
             **{f"ppl {t}": round(ppl["compressed", t], 2) for t in texts},
             **{f"x dense {t}": round(ppl["compressed", t] / ppl["original", t], 3) for t in texts},
-            "seconds": int((out / "seconds").read_text()),
-            "measure s": stage.get("budget", {}).get("measure_seconds"), "solve s": stage.get("budget", {}).get("solve_seconds")}
+            "seconds": int((out / "seconds").read_text()), "kmeans stage s": round(stage["seconds"]),
+            "measure s": stage.get("budget", {}).get("measure_seconds"), "solve s": stage.get("budget", {}).get("solve_seconds"),
+            **(speed_columns(out) if speed else {})}
+
+
+def speed_columns(out: Path) -> dict:
+    """Decode and prefill tokens/s against the dense model, from the folder's bench report."""
+    table = {r["measure"]: r for r in json.loads((out / "reports" / "bench.json").read_text())["table"]}
+    return {f"{kind} x dense": round(row["compressed/original"], 2) for kind in ("decode", "prefill")
+            for measure, row in table.items() if measure.startswith(f"{kind} tok/s")}
 
 
 def main() -> None:
@@ -57,14 +78,19 @@ def main() -> None:
     ap.add_argument("--budgets", type=float, nargs="*", default=[2.5, 3.0, 3.5, 4.0])
     ap.add_argument("--uniform", type=int, nargs="*", default=[2, 3, 4], help="shipped k-means recipes (bits) beside them")
     ap.add_argument("--out", type=Path, default=REPO / "outputs" / "budget")
+    ap.add_argument("--bench", action="store_true", help="also each folder's speed against the dense model")
+    ap.add_argument("--finetune", action="store_true", help="with the recipes' training instead of one-shot")
     args = ap.parse_args()
+    if args.bench:
+        print("CPU vector flags:", " ".join(sorted(f for f in cpu_flags() if f.startswith("avx"))), flush=True)
     calibration = args.out / "calibration"
     if not (calibration / "calibration").is_dir():
         wscompress("calibrate", str(BUDGET_RECIPE), "-o", str(calibration))
-    rows = [run(BUDGET_RECIPE, args.out / f"budget-{b}", calibration / "calibration", f"compress.0.budget.bits_per_weight={b}")
-            for b in args.budgets]
-    rows += [run(REPO / "configs" / f"kmeans_{b}bit.yaml", args.out / f"uniform-{b}bit", calibration / "calibration")
-             for b in args.uniform]
+    suffix, options = ("-trained" if args.finetune else ""), {"trained": args.finetune, "speed": args.bench}
+    rows = [run(BUDGET_RECIPE, args.out / f"budget-{b}{suffix}", calibration / "calibration",
+                f"compress.0.budget.bits_per_weight={b}", **options) for b in args.budgets]
+    rows += [run(REPO / "configs" / f"kmeans_{b}bit.yaml", args.out / f"uniform-{b}bit{suffix}", calibration / "calibration",
+                 **options) for b in args.uniform]
     wscompress("report", *(str(args.out / r["run"]) for r in rows), "--out", str(args.out / "comparison"))
     columns = list(dict.fromkeys(k for r in rows for k in r))
     table = "\n".join(["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
