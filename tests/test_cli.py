@@ -293,3 +293,29 @@ def test_reports_say_when_they_run_from_a_source_tree(monkeypatch):
 
     monkeypatch.setattr(report, "version", missing)
     assert report.environment()["wscompress"] == "source tree, not installed"
+
+
+def test_a_run_stopped_by_sigterm_leaves_nothing_behind(tmp_path, tiny_dir):
+    """SIGTERM (a cancelled CI job) mid-stage: no half-written model, no scratch statistics
+    beside the output, no spill folder, and the exit code of a terminated process."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    spill = tmp_path / "spill"
+    path = recipe(tmp_path, tiny_dir("llama"), model={"path": str(tmp_path / "tiny-llama"), "offload": "disk",
+                                                      "offload_folder": str(spill)},
+                  calibration={"dataset": "pydoc", "num_samples": 256, "seq_len": 128},
+                  compress=[{"method": "svd", "ratio": 0.3}])
+    run = subprocess.Popen([sys.executable, "-m", "wscompress.cli", "compress", str(path), "-q"],
+                           cwd=tmp_path)
+    deadline = time.monotonic() + 120
+    while not list((tmp_path / "out").glob(".stats-*")) and run.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert run.poll() is None, "the run ended before its statistics were collected"
+    run.send_signal(signal.SIGTERM)
+    assert run.wait(timeout=60) == 128 + signal.SIGTERM
+    assert not spill.exists()
+    assert not (tmp_path / "out").exists() or not [p.name for p in (tmp_path / "out").iterdir() if p.name != "reports"]

@@ -333,6 +333,55 @@ def test_another_checkout_reuses_the_built_kernels(tmp_path):
     assert len(libraries) >= 2 and [p.stat().st_mtime_ns for p in libraries] == built
 
 
+@pytest.mark.skipif(kernels.lowrank() is None, reason="kernels not built here")
+def test_a_build_killed_midway_does_not_hang_the_next_run(tmp_path):
+    """A build killed while it compiles (SIGKILL: no handler runs) leaves torch's lock file
+    behind; the next process removes it and builds, where it used to wait on it forever."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    env = {**os.environ, "WSCOMPRESS_CACHE": str(tmp_path)}
+    code = "from wscompress import kernels; assert kernels.lowrank() is not None, kernels.status()"
+    first = subprocess.Popen([sys.executable, "-c", code], env=env)
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob("kernels/*/lowrank/lock")) and first.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert first.poll() is None, "the build ended before it could be killed"
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    assert list(tmp_path.glob("kernels/*/lowrank/lock"))  # what a killed build leaves
+    assert subprocess.run([sys.executable, "-c", code], env=env, timeout=600).returncode == 0
+    assert not list(tmp_path.glob("kernels/*/lowrank/lock"))
+
+
+def test_an_environment_reaching_torch_through_a_symlink_keys_its_own_build(tmp_path):
+    """The build folder is keyed by the path the compile command names torch's headers by. Keyed
+    by the resolved path, an environment that imports torch through a symlink shared the folder
+    with one that imports it directly, and each rebuilt the other's libraries (ninja saw
+    another command)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    site = Path(torch.__file__).parent.parent
+    (tmp_path / "site").symlink_to(site, target_is_directory=True)
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import torch\n"
+            "from torch.utils.cpp_extension import include_paths\n"
+            "from wscompress import kernels\n"
+            "assert torch.__file__.startswith(sys.argv[1]), torch.__file__\n"
+            "assert include_paths()[0].startswith(kernels.torch_folder())\n"
+            "print(kernels._build_folder())")
+    env = {**os.environ, "WSCOMPRESS_KERNELS": "0"}
+    linked = subprocess.run([sys.executable, "-c", code, str(tmp_path / "site")], env=env, capture_output=True, text=True)
+    direct = subprocess.run([sys.executable, "-c", code, str(site)], env=env, capture_output=True, text=True)
+    assert linked.returncode == 0 and direct.returncode == 0, linked.stderr + direct.stderr
+    assert linked.stdout != direct.stdout
+
+
 def test_each_cpu_builds_its_own_kernels(monkeypatch):
     """The libraries are compiled for the CPU at hand (-march=native): a CPU with other flags
     (another node sharing the home folder) gets its own build folder, never one whose

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
 from enum import Enum
 from pathlib import Path
 from typing import Callable, List, Optional
@@ -29,12 +31,28 @@ def _recipe(path: Path, overrides: Optional[List[str]], output: Optional[Path]):
     return load_recipe(path, sets)
 
 
+def _exit_cleanly_on_signals() -> None:
+    """SIGTERM and SIGHUP (a CI job cancelled, a terminal closed) end the step as Ctrl-C does:
+    by an exception, so ``finally`` blocks and exit handlers remove the half-written output,
+    scratch statistics and offload spills. By default they kill the process on the spot."""
+
+    def stop(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+        return
+    for name in ("SIGTERM", "SIGHUP"):
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), stop)
+
+
 def _do(quiet: bool, fn: Callable[[], object], processes: bool = False) -> None:
     """Run a step; user errors print one clear message and exit with code 2. With
     ``processes`` the step may run in several processes (torchrun / accelerate launch)."""
     from .io import distributed
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    _exit_cleanly_on_signals()
     if distributed.launched() and not processes:
         typer.echo("error: this command runs in one process; calibrate, finetune and eval run in several "
                    "(torchrun / accelerate launch)\nfix: start it without the launcher", err=True)

@@ -49,8 +49,9 @@ class Offload:
         self._spills = itertools.count()
         self.folder: Path | None = None
         if mode == "disk":
-            self.folder = Path(tempfile.mkdtemp(prefix="offload-", dir=_made(folder)))
-            weakref.finalize(self, shutil.rmtree, self.folder, True)
+            parent, made = _made(folder)
+            self.folder = Path(tempfile.mkdtemp(prefix="offload-", dir=parent))
+            weakref.finalize(self, _remove, self.folder, parent if made else None)
 
     @cached_property
     def arch(self) -> Arch:
@@ -189,11 +190,23 @@ class _Slots:
             self[slot] = value
 
 
-def _made(folder: str | Path | None) -> Path | None:
+def _made(folder: str | Path | None) -> tuple[Path | None, bool]:
+    """``folder``, created where missing, and whether this call created it."""
     if folder is None:
-        return None
+        return None, False
+    made = not Path(folder).exists()
     Path(folder).mkdir(parents=True, exist_ok=True)
-    return Path(folder)
+    return Path(folder), made
+
+
+def _remove(folder: Path, made: Path | None) -> None:
+    """The spill folder, and its parent where this run created it and nothing else is left there."""
+    shutil.rmtree(folder, ignore_errors=True)
+    if made is not None:
+        try:
+            made.rmdir()
+        except OSError:  # another run's spills, or the user's files
+            pass
 
 
 def _tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:

@@ -20,10 +20,11 @@ from __future__ import annotations
 import hashlib
 import os
 import warnings
+from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 from types import ModuleType
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -61,10 +62,11 @@ def _load(source: str) -> tuple[ModuleType | None, str]:
     try:
         from torch.utils.cpp_extension import load
 
-        module = load(name=f"wscompress_{source}", sources=[str(_staged(HERE / f"{source}.cpp", build))],
-                      build_directory=str(build), verbose=False,
-                      extra_cflags=["-O3", f"-march={_march()}", "-fopenmp", *GATHER.get(cpu_vendor(), [])],
-                      extra_ldflags=["-fopenmp"], is_python_module=source not in OPERATORS)
+        with build_lock(build):
+            module = load(name=f"wscompress_{source}", sources=[str(_staged(HERE / f"{source}.cpp", build))],
+                          build_directory=str(build), verbose=False,
+                          extra_cflags=["-O3", f"-march={_march()}", "-fopenmp", *GATHER.get(cpu_vendor(), [])],
+                          extra_ldflags=["-fopenmp"], is_python_module=source not in OPERATORS)
         if source in OPERATORS:
             module = torch.ops.wscompress
             _shape_rules(source)
@@ -73,6 +75,30 @@ def _load(source: str) -> tuple[ModuleType | None, str]:
     flags = cpu_flags()
     isa = 'AVX-512' if 'avx512f' in flags else 'AVX2' if 'avx2' in flags else 'scalar'
     return module, f"{source}.cpp ({isa if _march() == 'native' else f'-march={_march()}'})"
+
+
+@contextmanager
+def build_lock(build: Path) -> Iterator[None]:
+    """Hold ``build`` for one process while torch builds or loads its library there.
+
+    torch's own lock is a file (``<build>/lock``) that its builder deletes when done and every
+    other process waits on, forever, while it exists: a build killed by SIGTERM or SIGKILL
+    left it behind and each later run slept at start. This lock is the operating system's
+    (``flock``), released when its holder ends however it ends; whoever holds it is the only
+    wscompress process in the folder, so a ``lock`` file found then is a dead builder's and is
+    removed. (Where ``fcntl`` is missing, Windows, torch's lock alone applies.)"""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(build / "wscompress.lock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        try:
+            (build / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(held, fcntl.LOCK_UN)
 
 
 def _march() -> str:
@@ -106,9 +132,17 @@ def _build_folder() -> str:
     crash with an illegal instruction on another sharing the cache (a cluster's home folder)."""
     from ..io.hardware import cpu_flags
 
-    where = hashlib.sha1(str(Path(torch.__file__).resolve().parent).encode()).hexdigest()[:10]
+    where = hashlib.sha1(torch_folder().encode()).hexdigest()[:10]
     cpu = hashlib.sha1(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:8]
     return f"torch-{torch.__version__}-{where}-{cpu}" + ("" if _march() == "native" else f"-{_march()}")
+
+
+def torch_folder() -> str:
+    """torch's folder as its compile command names it: by its absolute path, symlinks kept
+    (``torch.utils.cpp_extension`` takes its include paths from ``os.path.abspath``). Keyed by
+    the resolved path instead, an environment that reaches torch through a symlink shared a
+    build folder with the one that reaches it directly, and each rebuilt the other's library."""
+    return os.path.dirname(os.path.abspath(torch.__file__))
 
 
 def _staged(src: Path, build: Path) -> Path:

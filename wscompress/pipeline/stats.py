@@ -12,6 +12,7 @@ writes them to a scratch folder that is deleted with the ``Stats`` object.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import shutil
@@ -99,7 +100,9 @@ def scratch_folder(parent: str | Path | None = None) -> Path:
     """A fresh folder for statistics that live only as long as one stage (``Stats(scratch=True)``)."""
     if parent is not None:
         Path(parent).mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=".stats-", dir=parent))
+    folder = Path(tempfile.mkdtemp(prefix=".stats-", dir=parent))
+    atexit.register(shutil.rmtree, folder, True)  # also when the stage stops before its Stats exists
+    return folder
 
 
 class SharedGrams(Mapping[str, torch.Tensor]):
