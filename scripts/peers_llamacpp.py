@@ -1,26 +1,44 @@
 """llama.cpp beside wscompress on the same model, tokens, threads and machine, in one run.
 
 llama.cpp runs through node-llama-cpp (pinned to 3.21.1: its npm package ships a prebuilt CPU
-binary, so nothing is built here), installed on first use into ``<out>/node`` with npm. Its
-GGUF files are made from the builtin model's source GGUF (the Q4_1 file SmolLM2 ships as) with
-gguf-py's reference quantizers: every 2-D weight de-quantized and quantized again to Q4_0, Q8_0
-or F16 ("pure": no K-quant mix, 1-D tensors in F32), written into ``<out>``. wscompress's models
-are built as in ``bench_runtime.py`` (the layouts with random values: the speed does not depend
-on them) and decode eagerly and compiled (``StaticDecoder(compile=True)``).
+binary, so nothing is built here), installed on first use into ``<out>/node`` with npm. Two
+shapes (``--shape``), both llama with SmolLM2's vocabulary (49152) and tied embedding/head:
+
+- ``smollm2`` (default): SmolLM2-135M-Instruct's real weights. llama.cpp's GGUF files are made
+  from the builtin model's source GGUF (the Q4_1 file SmolLM2 ships as) with gguf-py's reference
+  quantizers: every 2-D weight de-quantized and quantized again to Q4_0, Q8_0 or F16 ("pure": no
+  K-quant mix, 1-D tensors in F32).
+- ``tinyllama``: TinyLlama-1.1B's shape (hidden 2048, FFN 5632, 22 layers, 32 heads, 4 KV heads
+  of 64) with random weights on both sides, where bytes per token, not per-call costs, set the
+  speed: GGUF files written by gguf-py with random blocks of the type (the tied table Q8_0 in the
+  Q4_0 file, as llama.cpp's quantizer makes it) and the source GGUF's tokenizer keys, and a
+  float32 ``LlamaConfig`` model for wscompress.
+
+wscompress's models are built as in ``bench_runtime.py`` (the layouts with random values: the
+speed does not depend on them) and decode eagerly and compiled (``StaticDecoder(compile=True)``).
+GGUF files are written into ``<out>`` and reused when there.
 
 Every engine decodes 16 tokens greedily after a 32-token prompt at batch 1 and prefills 128
 tokens, at each thread count; the best of ``--rounds`` rounds (engines one after the other). The table
-gives tokens/s and the ratio to llama.cpp's Q4_0 in the same run, with the CPU's vector flags.
-This is a benchmark dependency only: neither the package nor its tests need npm or llama.cpp.
+gives tokens/s, the ratio to llama.cpp's Q4_0 in the same run and decode GB/s (bytes read per
+token: wscompress's resident bytes, llama.cpp's file, times tokens/s), with the CPU's model and
+vector flags. This is a benchmark dependency only: neither the package nor its tests need npm or llama.cpp.
 
-Writes outputs/peers_llamacpp/results.{json,md} and prints the table.
-Usage: python scripts/peers_llamacpp.py [--threads 1 2] [--rounds 5] [--models dense "configs/kmeans_4bit.yaml layout + tied embedding/head" ...]
+``--dry-run`` checks the script in seconds without npm or llama.cpp: the chosen shape at toy size
+(2 layers, hidden 128, random weights, vocabulary kept), every GGUF file written, every
+wscompress model built and timed once on one thread (the static-cache step not compiled).
+
+Writes outputs/peers_llamacpp/results-<shape>.{json,md} and prints the table.
+Usage: python scripts/peers_llamacpp.py [--shape smollm2|tinyllama] [--threads 1 2] [--rounds 5] [--dry-run]
+           [--models dense "configs/kmeans_4bit.yaml layout + float16 tied embedding/head" ...]
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import functools
+import hashlib
 import json
 import subprocess
 import time
@@ -33,13 +51,20 @@ from bench_runtime import MODELS, RECIPES, build, markdown, timings
 from wscompress.evaluation.decode import StaticDecoder
 from wscompress.io import storage
 from wscompress.io.checkpoints import builtin_dir, load_model
-from wscompress.io.hardware import cpu_flags
+from wscompress.io.hardware import _cpuinfo, cpu_flags
 from wscompress.recipe.load import load_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 NODE_LLAMA_CPP = "node-llama-cpp@3.21.1"
 QUANTS = ("Q4_0", "Q8_0", "F16")
 PROMPT, DECODE, PREFILL = 32, 16, 128
+SHAPES = {  # llama shapes with SmolLM2's vocabulary and tied embedding/head
+    "smollm2": {"title": "SmolLM2-135M-Instruct", "hidden": 576, "ffn": 1536, "layers": 30, "heads": 9, "kv_heads": 3,
+                "head_dim": 64, "vocab": 49152, "eps": 1e-5, "theta": 100000.0, "context": 8192},
+    "tinyllama": {"title": "TinyLlama-1.1B's shape (hidden 2048, FFN 5632, 22 layers, 32 heads, 4 KV heads) with random "
+                  "weights, SmolLM2's vocabulary and tied embedding/head", "hidden": 2048, "ffn": 5632, "layers": 22,
+                  "heads": 32, "kv_heads": 4, "head_dim": 64, "vocab": 49152, "eps": 1e-5, "theta": 10000.0, "context": 2048}}
+TINY = {"hidden": 128, "ffn": 256, "layers": 2, "heads": 4, "kv_heads": 2, "head_dim": 32}  # --dry-run's toy size of a shape
 
 # Times one GGUF file with llama.cpp: argv = model, threads, rounds, prompt ids, prefill ids (JSON);
 # prints {"decode": s, "prefill": s, "file_mb": MB}, each the best of the rounds.
@@ -107,6 +132,99 @@ def quantized_gguf(source: Path, qtype: str, out: Path) -> Path:
     return target
 
 
+@functools.cache
+def source_keys(source: Path) -> dict:
+    """``source``'s keys (but GGUF's own) as {key: (value, type, array item type)}: parsed once, the
+    tokenizer's 100 000 strings take seconds."""
+    import gguf
+
+    return {key: (field.contents(), field.types[0], field.types[-1] if len(field.types) > 1 else None)
+            for key, field in gguf.GGUFReader(source).fields.items() if not key.startswith("GGUF.")}
+
+
+def random_gguf(source: Path, shape: dict, qtype: str, out: Path) -> Path:
+    """A llama GGUF of ``shape`` with random weights, 2-D ones in ``qtype`` (the tied table Q8_0 in a
+    Q4_0 file, as llama.cpp's quantizer makes it; norms F32 ones), with ``source``'s tokenizer and
+    general keys: llama.cpp's side of a model whose weights are not there (speed does not depend on them)."""
+    import gguf
+
+    s, kind = shape, gguf.GGMLQuantizationType[qtype]
+    tag = hashlib.sha1(json.dumps(s, sort_keys=True).encode()).hexdigest()[:8]  # any other key (theta, ...) too
+    target = out / f"random-llama-{s['layers']}x{s['hidden']}-ffn{s['ffn']}-{s['heads']}h{s['kv_heads']}kv-{tag}.{qtype}.gguf"
+    if target.is_file():
+        return target
+    keys = source_keys(source)
+    assert len(keys["tokenizer.ggml.tokens"][0]) == s["vocab"], "the tokenizer must fit the shape"
+    tmp = target.with_suffix(".tmp")
+    writer = gguf.GGUFWriter(tmp, "llama", use_temp_file=True)  # tensors spill to disk as added (2 GB of F16 at 1.1B)
+    for key, (value, vtype, sub_type) in keys.items():  # the shape keys (llama.*) and the file's type and name are set below
+        if key.startswith("llama.") or key in ("general.architecture", "general.file_type", "general.name",
+                                               "general.size_label"):
+            continue
+        writer.add_key_value(key, value, vtype, sub_type=sub_type)
+    writer.add_name(target.stem)
+    writer.add_file_type({"Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0, "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+                          "F16": gguf.LlamaFileType.MOSTLY_F16}[qtype])
+    writer.add_vocab_size(s["vocab"])
+    writer.add_context_length(s["context"])
+    writer.add_embedding_length(s["hidden"])
+    writer.add_block_count(s["layers"])
+    writer.add_feed_forward_length(s["ffn"])
+    writer.add_head_count(s["heads"])
+    writer.add_head_count_kv(s["kv_heads"])
+    writer.add_rope_dimension_count(s["head_dim"])
+    writer.add_layer_norm_rms_eps(s["eps"])
+    writer.add_rope_freq_base(s["theta"])
+    rng = np.random.default_rng(0)
+
+    def weight(name: str, rows: int, cols: int, kind: gguf.GGMLQuantizationType) -> None:
+        if kind == gguf.GGMLQuantizationType.F16:
+            writer.add_tensor(name, (rng.standard_normal((rows, cols), np.float32) * 0.02).astype(np.float16))
+            return
+        block, size = gguf.GGML_QUANT_SIZES[kind]  # a block: float16 scale, then the block's packed values
+        raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+        scale = 0.02 / {gguf.GGMLQuantizationType.Q4_0: 8, gguf.GGMLQuantizationType.Q8_0: 128}[kind]
+        raw[..., :2] = np.frombuffer(np.float16(scale).tobytes(), np.uint8)  # finite: weights within +-0.02, no NaN
+        writer.add_tensor(name, raw.reshape(rows, -1), raw_dtype=kind)  # byte shape: gguf-py derives the logical one
+
+    h, q, kv = s["hidden"], s["heads"] * s["head_dim"], s["kv_heads"] * s["head_dim"]
+    weight("token_embd.weight", s["vocab"], h, kind if qtype == "F16" else gguf.GGMLQuantizationType.Q8_0)
+    writer.add_tensor("output_norm.weight", np.ones(h, np.float32))  # no output.weight: tied to token_embd
+    for i in range(s["layers"]):
+        for norm in ("attn_norm", "ffn_norm"):
+            writer.add_tensor(f"blk.{i}.{norm}.weight", np.ones(h, np.float32))
+        for name, (rows, cols) in {"attn_q": (q, h), "attn_k": (kv, h), "attn_v": (kv, h), "attn_output": (h, q),
+                                   "ffn_gate": (s["ffn"], h), "ffn_up": (s["ffn"], h), "ffn_down": (h, s["ffn"])}.items():
+            weight(f"blk.{i}.{name}.weight", rows, cols, kind)  # (out, in): GGUF lists the shape reversed
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tmp.rename(target)
+    return target
+
+
+@torch.no_grad()
+def random_model(shape: dict):
+    """A float32 transformers llama of ``shape`` (tied embedding/head) with random weights, made
+    without transformers' initialization: one pass over the weights (4.4 GB at 1.1B parameters)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers.initialization import no_init_weights
+
+    s = shape
+    config = LlamaConfig(vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["ffn"],
+                         num_hidden_layers=s["layers"], num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"],
+                         head_dim=s["head_dim"], rms_norm_eps=s["eps"], rope_theta=s["theta"],
+                         max_position_embeddings=s["context"], tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    with no_init_weights():  # uninitialized storage, filled once below
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.tie_weights()  # skipped with the initialization
+    gen = torch.Generator().manual_seed(0)
+    for p in model.parameters():  # finite values (uninitialized memory may hold NaN or denormals, which are slow)
+        p.fill_(1.0) if p.ndim == 1 else p.normal_(0, 0.02, generator=gen)
+    return model.eval()
+
+
 def node_runner(out: Path) -> Path:
     """node-llama-cpp installed into ``out/node`` (once) and the timing script beside it."""
     folder = out / "node"
@@ -148,33 +266,45 @@ def main() -> None:
                "configs/kmeans_4bit.yaml layout + 8-bit tied embedding/head"]
     ap.add_argument("--models", nargs="+", default=default, choices=list(MODELS))
     ap.add_argument("--quants", nargs="+", default=list(QUANTS), choices=QUANTS)
+    ap.add_argument("--shape", default="smollm2", choices=list(SHAPES),
+                    help="smollm2: its real weights; tinyllama: TinyLlama-1.1B's shape, random weights")
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--dry-run", action="store_true", help="the shape at toy size, wscompress timed once on one "
+                    "thread, no npm or llama.cpp: checks the script in seconds")
     ap.add_argument("--out", type=Path, default=REPO / "outputs" / "peers_llamacpp")
     args = ap.parse_args()
+    if args.dry_run:
+        args.threads, args.rounds = [1], 1
+    shape = {**SHAPES[args.shape], **(TINY if args.dry_run else {})}
+    real = args.shape == "smollm2" and not args.dry_run  # SmolLM2's own weights; otherwise random ones of the shape
     args.out.mkdir(parents=True, exist_ok=True)
     source = next(builtin_dir("smollm2-135m-instruct").glob("*.gguf"))
-    ggufs = {q: quantized_gguf(source, q, args.out) for q in args.quants}
-    script = node_runner(args.out)
+    ggufs = {q: quantized_gguf(source, q, args.out) if real else random_gguf(source, shape, q, args.out)
+             for q in args.quants}
+    script = None if args.dry_run else node_runner(args.out)
 
     recipe = load_recipe(data={"model": {"path": "builtin:smollm2-135m-instruct", "device": "cpu"}})
-    original, tok = load_model(recipe.model)
+    original, tok = load_model(recipe.model)  # the tokenizer serves every shape (SmolLM2's vocabulary)
+    if not real:
+        original = None
     gen = torch.Generator().manual_seed(1)
     prompt_ids = torch.randint(1000, 20000, (1, PROMPT), generator=gen)
     prefill_ids = torch.randint(1000, 20000, (PREFILL,), generator=gen).tolist()
     models = {}
-    for label in args.models:
-        model = copy.deepcopy(original)
+    for label in args.models:  # random models made one by one, not copied: one 4.4 GB original less held at 1.1B
+        model = copy.deepcopy(original) if real else random_model(shape)
         build(model, tok, recipe, MODELS[label])
         models[label] = model.eval()
     del original
 
-    decoders = {label: StaticDecoder(m, prompt_ids, DECODE, compile=True) for label, m in models.items()}  # compiled once
+    # compiled once (the dry run keeps the static-cache step eager: compiling takes about a minute a model)
+    decoders = {label: StaticDecoder(m, prompt_ids, DECODE, compile=not args.dry_run) for label, m in models.items()}
     rows = []
     for threads in args.threads:
         torch.set_num_threads(threads)
         results = {}
-        for q, path in ggufs.items():
+        for q, path in ggufs.items() if script else ():
             r = llama_cpp(script, path, threads, args.rounds, prompt_ids[0].tolist(), prefill_ids)
             results[f"llama.cpp {q}"] = {"MB": r["file_mb"], "decode": r["decode"], "prefill": r["prefill"]}
         for label, model in models.items():
@@ -183,25 +313,32 @@ def main() -> None:
                                              "compiled": r["compiled"], "prefill": r["prefill"]}
         base = results.get("llama.cpp Q4_0")
         for label, r in results.items():
+            fastest = min(r["decode"], r.get("compiled", float("inf")))
             row = {"threads": threads, "engine, model": label, "weight MB": round(r["MB"], 1),
-                   "decode tok/s": round(DECODE / r["decode"], 1), "prefill tok/s": round(PREFILL / r["prefill"], 1)}
+                   "decode tok/s": round(DECODE / r["decode"], 1), "prefill tok/s": round(PREFILL / r["prefill"], 1),
+                   "decode GB/s": round(r["MB"] * 2**20 / 1e9 * DECODE / fastest, 1)}  # every weight byte read per token
             if "compiled" in r:
                 row["compiled decode tok/s"] = round(DECODE / r["compiled"], 1)
             if base:
-                fastest = min(r["decode"], r.get("compiled", float("inf")))
                 row["decode x Q4_0"] = round(base["decode"] / fastest, 2)
                 row["prefill x Q4_0"] = round(base["prefill"] / r["prefill"], 2)
             rows.append(row)
             print(row, flush=True)
     flags = " ".join(sorted(f for f in cpu_flags() if f.startswith(("avx", "fma", "f16c"))))
-    cols = ["threads", "engine, model", "weight MB", "decode tok/s", "compiled decode tok/s", "decode x Q4_0",
-            "prefill tok/s", "prefill x Q4_0"]
-    md = (f"SmolLM2-135M-Instruct, batch 1: {DECODE} tokens decoded greedily after a {PROMPT}-token prompt, prefill of "
+    cpu = _cpuinfo("model name") or "unknown"
+    cols = ["threads", "engine, model", "weight MB", "decode tok/s", "compiled decode tok/s", "decode GB/s",
+            "decode x Q4_0", "prefill tok/s", "prefill x Q4_0"]
+    made = f"made from {source.name}" if real else f"with random weights and {source.name}'s tokenizer"
+    title = shape["title"] if not args.dry_run else (f"Dry run (no llama.cpp) at toy size ({shape['layers']} layers, "
+                                                     f"hidden {shape['hidden']}) of {shape['title']}")
+    md = (f"{title}, batch 1: {DECODE} tokens decoded greedily after a {PROMPT}-token prompt, prefill of "
           f"{PREFILL} tokens; best of {args.rounds} rounds, engines one after the other; llama.cpp through {NODE_LLAMA_CPP} "
-          f"(prebuilt CPU binary), GGUF made from {source.name} by gguf-py; CPU flags: {flags}. `decode x Q4_0` takes "
+          f"(prebuilt CPU binary), GGUF {made} by gguf-py; CPU: {cpu}, flags: {flags}. `decode x Q4_0` and "
+          "`decode GB/s` (weight bytes, wscompress's resident ones and llama.cpp's file, times decode tokens/s) take "
           "wscompress's faster path (eager or compiled).\n\n" + markdown(rows, cols))
-    (args.out / "results.json").write_text(json.dumps({"rows": rows, "flags": flags}, indent=1))
-    (args.out / "results.md").write_text(md + "\n")
+    (args.out / f"results-{args.shape}.json").write_text(json.dumps(
+        {"shape": args.shape, "dry_run": args.dry_run, "rows": rows, "cpu": cpu, "flags": flags}, indent=1))
+    (args.out / f"results-{args.shape}.md").write_text(md + "\n")
     print(md)
 
 
