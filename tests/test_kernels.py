@@ -21,9 +21,10 @@ CALIB = {"dataset": "pydoc", "num_samples": 4, "seq_len": 32, "batch_size": 2}
 
 @pytest.fixture
 def float_activations(monkeypatch):
-    """Decoding multiplies float activations (the tests that compare with the reference path to
-    float rounding); the 8-bit path has tests of its own below."""
+    """Decoding and prefill multiply float activations (the tests that compare with the reference
+    path to float rounding); the 8-bit paths have tests of their own below."""
     monkeypatch.setattr(kernels, "_q8", {4: False, 8: False})
+    monkeypatch.setenv("WSCOMPRESS_INT8_PREFILL", "0")
 
 
 def test_kernels_build_where_a_compiler_exists():
@@ -171,6 +172,48 @@ def test_decoding_on_8_bit_activations_computes_its_rounding(d, bits, group_size
         exact = F.linear(x, lin.dense_weight(), lin.bias)
         assert (y - exact).norm() / exact.norm() < 1e-3
         torch.testing.assert_close(lin(x.view(1, rows, inp)), y.view(1, rows, -1))
+
+
+def integer_reference(lin: PalettizedLinear, x: torch.Tensor) -> torch.Tensor:
+    """What prefill's integer product computes, spelled out in float64: each group's table
+    rounded to 8 bits over its largest magnitude, each activation row split into two 8-bit
+    parts (x ≈ s·hi + s/254·lo), the weights kept aside corrected exactly, the row scales after."""
+    t = lin.codebook.detach().double()
+    unit = t.abs().amax((1, 2)) / 127
+    t8 = (t / unit[:, None, None]).round() * unit[:, None, None]
+    idx = lin.index_matrix()
+    rows = torch.arange(lin.out_features)[:, None] // lin.group_size
+    w = t8[rows, idx].flatten(1)  # (out, in)
+    if lin.outliers:
+        pos = lin.outlier_index.long()
+        exact = lin.outlier_value.double() / (lin.scale.double()[pos // lin.in_features] if lin.scaled else 1)
+        w.view(-1)[pos] += exact - t[rows, idx].flatten(1).flatten()[pos]
+    s = x.double().abs().amax(1, keepdim=True).clamp_min(1e-300) / 127
+    hi = (x.double() / s).round()
+    lo = ((x.double() - hi * s) * (254 / s)).round()
+    y = (hi * s + lo * s / 254) @ w.T
+    return y * lin.scale.double() if lin.scaled else y
+
+
+@pytest.mark.skipif(kernels.lut() is None, reason="kernels not built here")
+@pytest.mark.parametrize("d, bits, group_size, outliers, scaled", [(1, 4, 16, 0, False), (1, 3, 6, 7, True),
+                                                                   (2, 8, 48, 0, False), (2, 6, 6, 9, True),
+                                                                   (2, 8, 16, 4, True), (4, 8, 16, 3, False)])
+def test_prefill_multiplies_8_bit_integers(d, bits, group_size, outliers, scaled, monkeypatch):
+    """Prefill (more than DECODE_ROWS rows) multiplies 8-bit integers (torch._int_mm): exactly the
+    rounding ``integer_reference`` spells out, to float summation order; within 1 % of the float
+    product; and WSCOMPRESS_INT8_PREFILL=0 keeps the float product."""
+    lin = layer(bits, group_size, out=48, inp=96, outliers=outliers, d=d, scaled=scaled)
+    x = torch.randn(DECODE_ROWS + 5, 96)
+    x[0] = 0  # a row of zeros stays zeros (no division by its scale)
+    with torch.no_grad():
+        y = lin(x) - lin.bias
+        ref = integer_reference(lin, x)
+        assert ((y.double() - ref).abs() <= 1e-5 * (x.abs() @ lin.dense_weight().abs().T).double() + 1e-6).all()
+        exact = F.linear(x, lin.dense_weight())
+        assert 1e-5 < (y - exact).norm() / exact.norm() < 1e-2
+        monkeypatch.setenv("WSCOMPRESS_INT8_PREFILL", "0")
+        torch.testing.assert_close(lin(x) - lin.bias, exact, rtol=1e-5, atol=1e-5)
 
 
 def test_a_layout_off_the_cpu_has_no_8_bit_tables():

@@ -592,6 +592,30 @@ struct Dense {
   }
 };
 
+// The weight as 8-bit integers for prefill's integer product (torch._int_mm): each index's D
+// table bytes copied out; tables (groups, k, D) int8. A byte store per weight, where the float
+// decode writes four: this pass moves a quarter of the bytes.
+template <int W, int D>
+struct DenseI8 {
+  torch::Tensor operator()(const torch::Tensor& idx, const torch::Tensor& tables, int64_t group_size, int64_t out,
+                           int64_t in) const {
+    auto dense = torch::empty({out, in}, tables.options());
+    const uint8_t* ip = idx.data_ptr<uint8_t>();
+    const int8_t* tp = tables.data_ptr<int8_t>();
+    int8_t* dp = dense.data_ptr<int8_t>();
+    const int64_t k = tables.size(1), row_bytes = in / D * W / 8;
+    at::parallel_for(0, out, 64, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const uint8_t* row = ip + r * row_bytes;
+        const int8_t* table = tp + (r / group_size) * k * D;
+        int8_t* o = dp + r * in;
+        for (int64_t q = 0; q < in / D; ++q) std::memcpy(o + q * D, table + index_at<W>(row, q) * D, D);
+      }
+    });
+    return dense;
+  }
+};
+
 Sparse sparse(const torch::Tensor& row_ptr, const torch::Tensor& col, const torch::Tensor& delta, int64_t out) {
   if (row_ptr.numel() == 0) return {nullptr, nullptr, nullptr};
   TORCH_CHECK(row_ptr.scalar_type() == torch::kLong && row_ptr.is_contiguous() && row_ptr.numel() == out + 1,
@@ -607,7 +631,7 @@ Sparse sparse(const torch::Tensor& row_ptr, const torch::Tensor& col, const torc
 // The vector length D of tables (groups, k) (D 1) or (groups, k, D), checked.
 int64_t vector_length(const torch::Tensor& tables, int64_t width, int64_t group_size, int64_t out, int64_t in,
                       const torch::Tensor& idx) {
-  TORCH_CHECK(tables.scalar_type() == torch::kFloat && tables.is_contiguous(), "tables: contiguous float32");
+  TORCH_CHECK(tables.is_contiguous(), "tables: contiguous");
   TORCH_CHECK(idx.scalar_type() == torch::kUInt8 && idx.is_contiguous(), "idx: contiguous uint8");
   TORCH_CHECK(width == 4 || width == 8, "width must be 4 or 8");
   const int64_t d = tables.dim() == 3 ? tables.size(2) : 1;
@@ -628,6 +652,7 @@ int64_t vector_length(const torch::Tensor& tables, int64_t width, int64_t group_
 torch::Tensor lut_linear(torch::Tensor x, torch::Tensor idx, torch::Tensor tables, int64_t width, int64_t group_size,
                          int64_t out, torch::Tensor row_ptr, torch::Tensor col, torch::Tensor delta) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x: contiguous float32 (batch, in)");
+  TORCH_CHECK(tables.scalar_type() == torch::kFloat, "tables: float32");
   const int64_t d = vector_length(tables, width, group_size, out, x.size(1), idx);
   return dispatch<Linear>(width, d, x, idx, tables, group_size, out, sparse(row_ptr, col, delta, out));
 }
@@ -679,8 +704,22 @@ torch::Tensor lut_linear_q8(torch::Tensor x, torch::Tensor idx, torch::Tensor ta
 // The dense (out, in) weight, outliers included (prefill decodes it and hands it to the BLAS).
 torch::Tensor lut_dense(torch::Tensor idx, torch::Tensor tables, int64_t width, int64_t group_size, int64_t out,
                         int64_t in, torch::Tensor row_ptr, torch::Tensor col, torch::Tensor delta) {
+  TORCH_CHECK(tables.scalar_type() == torch::kFloat, "tables: float32");
   const int64_t d = vector_length(tables, width, group_size, out, in, idx);
   return dispatch<Dense>(width, d, idx, tables, group_size, out, in, sparse(row_ptr, col, delta, out));
+}
+
+// The (out, in) weight of int8 tables (groups, k) or (groups, k, D), outliers not applied.
+torch::Tensor lut_dense_i8(torch::Tensor idx, torch::Tensor tables, int64_t width, int64_t group_size, int64_t out,
+                           int64_t in) {
+  TORCH_CHECK(tables.scalar_type() == torch::kChar && tables.is_contiguous(), "tables: contiguous int8");
+  const int64_t d = vector_length(tables, width, group_size, out, in, idx);
+  if (width == 4) return d == 1 ? DenseI8<4, 1>{}(idx, tables, group_size, out, in)
+                       : d == 2 ? DenseI8<4, 2>{}(idx, tables, group_size, out, in)
+                                : DenseI8<4, 4>{}(idx, tables, group_size, out, in);
+  return d == 1 ? DenseI8<8, 1>{}(idx, tables, group_size, out, in)
+       : d == 2 ? DenseI8<8, 2>{}(idx, tables, group_size, out, in)
+                : DenseI8<8, 4>{}(idx, tables, group_size, out, in);
 }
 
 // Registered as PyTorch operators (torch.ops.wscompress.lut_linear: x @ W^T for a palettized W;
@@ -694,10 +733,12 @@ TORCH_LIBRARY_FRAGMENT(wscompress, m) {
   m.def("lut_q8(int width) -> bool", &lut_q8);
   m.def("lut_dense(Tensor idx, Tensor tables, int width, int group_size, int out, int in_features, Tensor row_ptr, "
         "Tensor col, Tensor delta) -> Tensor");
+  m.def("lut_dense_i8(Tensor idx, Tensor tables, int width, int group_size, int out, int in_features) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(wscompress, CPU, m) {
   m.impl("lut_linear", &lut_linear);
   m.impl("lut_linear_q8", &lut_linear_q8);
   m.impl("lut_dense", &lut_dense);
+  m.impl("lut_dense_i8", &lut_dense_i8);
 }

@@ -1,0 +1,104 @@
+"""Prefill's products of palettized layers: 8-bit integers (``torch._int_mm``, the default) against
+float32 (``WSCOMPRESS_INT8_PREFILL=0``: the weight decoded to float32, the BLAS), in one process.
+
+For each model shape (a decoder layer's q, k/v, o, gate/up and down projections, as many times
+as the model has layers; k/v and gate/up counted twice) and each shipped recipe's layout (random
+values: the speed does not depend on them), it times a ``--tokens``-token prefill of every
+projection, both paths alternating, best of ``--rounds``, at each thread count, and prints
+tokens/s and the integer path's speed-up, with the CPU's model and vector flags. Attention,
+norms and the head are not included: this is the part the integer path changes.
+
+Writes outputs/bench_prefill/results.{json,md}.
+Usage: python scripts/bench_prefill.py [--shapes tinyllama-1.1b smollm2-135m] [--threads 1 2] [--rounds 3]
+       python scripts/bench_prefill.py --dry-run   (a tiny shape, one round: the suite runs it)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from bench_runtime import MODELS, RECIPES, markdown, random_palettized
+from wscompress.io.hardware import cpu_flags
+
+REPO = Path(__file__).resolve().parents[1]
+SHAPES = {  # name -> (hidden, FFN, layers, KV width)
+    "tinyllama-1.1b": (2048, 5632, 22, 256),
+    "smollm2-135m": (576, 1536, 30, 192),
+    "tiny": (128, 256, 2, 64),
+}
+
+
+def projections(hidden: int, ffn: int, kv: int) -> list[tuple[int, int]]:
+    """(out, in) of one decoder layer's projections: q, k, v, o, gate, up, down."""
+    return [(hidden, hidden), (kv, hidden), (kv, hidden), (hidden, hidden), (ffn, hidden), (ffn, hidden), (hidden, ffn)]
+
+
+def cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown CPU"
+
+
+@torch.no_grad()
+def seconds(layers: list, inputs: dict[int, torch.Tensor], repeat: int, integer: bool) -> float:
+    """One prefill through ``layers`` (a decoder layer's projections), ``repeat`` times (the layers)."""
+    os.environ["WSCOMPRESS_INT8_PREFILL"] = "1" if integer else "0"
+    start = time.perf_counter()
+    for _ in range(repeat):
+        for layer in layers:
+            layer(inputs[layer.in_features])
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", nargs="+", default=["tinyllama-1.1b", "smollm2-135m"], choices=list(SHAPES))
+    ap.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=list(RECIPES))
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=REPO / "outputs" / "bench_prefill")
+    ap.add_argument("--dry-run", action="store_true", help="the tiny shape, one round, one thread")
+    args = ap.parse_args()
+    if args.dry_run:
+        args.shapes, args.threads, args.rounds = ["tiny"], [1], 1
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for shape in args.shapes:
+        hidden, ffn, repeat, kv = SHAPES[shape]
+        inputs = {n: torch.randn(args.tokens, n, generator=gen) for n in (hidden, ffn)}
+        for recipe in args.recipes:
+            stage = MODELS[RECIPES[recipe]][0]
+            layers = [random_palettized(o, i, stage, gen) for o, i in projections(hidden, ffn, kv)]
+            for threads in args.threads:
+                torch.set_num_threads(threads)
+                best = {False: float("inf"), True: float("inf")}
+                for _ in range(args.rounds + 1):  # round 0 warms up (layouts, oneDNN's kernels)
+                    for integer in (False, True):
+                        best[integer] = min(best[integer], seconds(layers, inputs, repeat, integer))
+                row = {"shape": shape, "layout": recipe, "threads": threads,
+                       "float32 tok/s": round(args.tokens / best[False], 1),
+                       "int8 tok/s": round(args.tokens / best[True], 1),
+                       "int8 x float32": round(best[False] / best[True], 2)}
+                rows.append(row)
+                print(row, flush=True)
+    os.environ.pop("WSCOMPRESS_INT8_PREFILL")
+    flags = " ".join(sorted(f for f in cpu_flags() if f.startswith(("avx", "fma", "amx"))))
+    md = (f"Prefill of {args.tokens} tokens through every decoder projection (attention, norms and head "
+          f"excluded), best of {args.rounds} rounds, both paths alternating in one process; {cpu_name()}, "
+          f"flags: {flags}.\n\n" + markdown(rows, list(rows[0])))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.json").write_text(json.dumps({"rows": rows, "cpu": cpu_name(), "flags": flags}, indent=1))
+    (args.out / "results.md").write_text(md + "\n")
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
