@@ -72,6 +72,8 @@ MODELS = {  # label -> compress stages (empty: the dense model)
     "kmeans 4-bit, 2-d vectors per 64 channels + 0.1 % outliers": [{**VQ3, "bits": 8, "outliers": 0.001}],
     "kmeans 4-bit, 2-d vectors per 64 channels + row scales + 0.07 % outliers":  # configs/kmeans_4bit.yaml's layout
         [{**VQ3, "bits": 8, "row_scale": True, "outliers": 0.0007}],
+    "kmeans 4-bit per channel + row scales + 0.07 % outliers":  # configs/kmeans_4bit_fast.yaml's layout
+        [{**PLAIN, "bits": 4, "row_scale": True, "outliers": 0.0007}],
     "svd 20 %": [{"method": "svd", "whitening": False, "ratio": 0.2}],
     "svd 40 %": [{"method": "svd", "whitening": False, "ratio": 0.4}],
 }
@@ -85,7 +87,8 @@ HEAD_8BIT = {**PLAIN, "bits": 8, "granularity": "grouped", "group_size": 64, "co
 RECIPES = {  # the shipped recipes' layouts (labels above)
     "configs/kmeans_4bit.yaml": "kmeans 4-bit, 2-d vectors per 64 channels + row scales + 0.07 % outliers",
     "configs/kmeans_3bit.yaml": "kmeans 3-bit, 2-d vectors per 64 channels + row scales + 0.35 % outliers",
-    "configs/kmeans_2bit.yaml": "kmeans 2-bit, 4-d vectors per matrix + row scales + 0.5 % outliers"}
+    "configs/kmeans_2bit.yaml": "kmeans 2-bit, 4-d vectors per matrix + row scales + 0.5 % outliers",
+    "configs/kmeans_4bit_fast.yaml": "kmeans 4-bit per channel + row scales + 0.07 % outliers"}
 for _recipe, _label in RECIPES.items():
     MODELS[f"{_recipe} layout + tied embedding/head in it"] = [{**MODELS[_label][0], **HEAD}]
     MODELS[f"{_recipe} layout + 8-bit tied embedding/head"] = [MODELS[_label][0], HEAD_8BIT]

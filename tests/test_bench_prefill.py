@@ -16,5 +16,5 @@ def test_bench_prefill_dry_run(tmp_path):
                           env=script_env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads((tmp_path / "results.json").read_text())["rows"]
-    assert {r["layout"] for r in rows} == {"configs/kmeans_4bit.yaml", "configs/kmeans_3bit.yaml", "configs/kmeans_2bit.yaml"}
+    assert {r["layout"] for r in rows} == {f"configs/kmeans_{b}.yaml" for b in ("4bit", "3bit", "2bit", "4bit_fast")}
     assert all(r["float32 tok/s"] > 0 and r["int8 tok/s"] > 0 for r in rows)
