@@ -124,6 +124,11 @@ def quantized_gguf(source: Path, qtype: str, out: Path) -> Path:
             writer.add_tensor(tensor.name, values.astype(np.float16))
         else:
             writer.add_tensor(tensor.name, gguf.quants.quantize(values, kind), raw_dtype=kind)
+    return _finish(writer, tmp, target)
+
+
+def _finish(writer, tmp: Path, target: Path) -> Path:
+    """Write out ``writer``'s file at ``tmp`` and move it to ``target`` whole."""
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -196,12 +201,7 @@ def random_gguf(source: Path, shape: dict, qtype: str, out: Path) -> Path:
         for name, (rows, cols) in {"attn_q": (q, h), "attn_k": (kv, h), "attn_v": (kv, h), "attn_output": (h, q),
                                    "ffn_gate": (s["ffn"], h), "ffn_up": (s["ffn"], h), "ffn_down": (h, s["ffn"])}.items():
             weight(f"blk.{i}.{name}.weight", rows, cols, kind)  # (out, in): GGUF lists the shape reversed
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    tmp.rename(target)
-    return target
+    return _finish(writer, tmp, target)
 
 
 @torch.no_grad()
