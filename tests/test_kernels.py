@@ -21,10 +21,9 @@ CALIB = {"dataset": "pydoc", "num_samples": 4, "seq_len": 32, "batch_size": 2}
 
 @pytest.fixture
 def float_activations(monkeypatch):
-    """Decoding and prefill multiply float activations (the tests that compare with the reference
-    path to float rounding); the 8-bit paths have tests of their own below."""
+    """Decoding multiplies float activations (the tests that compare with the reference path to
+    float rounding); the 8-bit path has tests of its own below."""
     monkeypatch.setattr(kernels, "_q8", {4: False, 8: False})
-    monkeypatch.setenv("WSCOMPRESS_INT8_PREFILL", "0")
 
 
 def test_kernels_build_where_a_compiler_exists():
@@ -200,10 +199,11 @@ def integer_reference(lin: PalettizedLinear, x: torch.Tensor) -> torch.Tensor:
                                                                    (2, 8, 48, 0, False), (2, 6, 6, 9, True),
                                                                    (2, 8, 16, 4, True), (4, 8, 16, 3, False)])
 def test_prefill_multiplies_8_bit_integers(d, bits, group_size, outliers, scaled, monkeypatch):
-    """Prefill (more than DECODE_ROWS rows) multiplies 8-bit integers (torch._int_mm): exactly the
-    rounding ``integer_reference`` spells out, to float summation order; within 1 % of the float
-    product; and WSCOMPRESS_INT8_PREFILL=0 keeps the float product."""
+    """With WSCOMPRESS_INT8_PREFILL=1, prefill (more than DECODE_ROWS rows) multiplies 8-bit
+    integers (torch._int_mm): exactly the rounding ``integer_reference`` spells out, to float
+    summation order; within 1 % of the float product; by default the float product."""
     lin = layer(bits, group_size, out=48, inp=96, outliers=outliers, d=d, scaled=scaled)
+    monkeypatch.setenv("WSCOMPRESS_INT8_PREFILL", "1")
     x = torch.randn(DECODE_ROWS + 5, 96)
     x[0] = 0  # a row of zeros stays zeros (no division by its scale)
     with torch.no_grad():
@@ -212,7 +212,7 @@ def test_prefill_multiplies_8_bit_integers(d, bits, group_size, outliers, scaled
         assert ((y.double() - ref).abs() <= 1e-5 * (x.abs() @ lin.dense_weight().abs().T).double() + 1e-6).all()
         exact = F.linear(x, lin.dense_weight())
         assert 1e-5 < (y - exact).norm() / exact.norm() < 1e-2
-        monkeypatch.setenv("WSCOMPRESS_INT8_PREFILL", "0")
+        monkeypatch.delenv("WSCOMPRESS_INT8_PREFILL")
         torch.testing.assert_close(lin(x) - lin.bias, exact, rtol=1e-5, atol=1e-5)
 
 
