@@ -30,15 +30,16 @@ demo: install
 	$(VENV)/bin/wscompress run configs/demo.yaml
 
 test: install
-	$(PYTEST) -m "not cross_build" --durations=10
+	$(PYTEST) -m "not cross_build and not kernel_build" --durations=10
 
 test-fast: install
-	$(PYTEST) -m "not slow and not cross_build"
+	$(PYTEST) -m "not slow and not cross_build and not kernel_build"
 
-# another CPU's kernel build compiled and tested on this one (the AVX2 build on an AVX-512 machine: its
-# compile alone takes ~2 minutes, which kept `make test` over 10); .ci/run calls it after `make test`
+# the tests that compile kernels from scratch: another CPU's build compiled and tested on this one
+# (the AVX2 build on an AVX-512 machine: ~2 minutes, which kept `make test` over 10) and a build
+# killed midway, then rebuilt (~1 minute); .ci/run calls it after `make test`
 test-cross-build: install
-	$(PY) -m pytest -q -m cross_build tests/test_kernels.py
+	$(PY) -m pytest -q -m "cross_build or kernel_build" tests/test_kernels.py
 
 # Folders written today load with the oldest transformers pyproject.toml claims and the newest in
 # the registry: one small virtual environment per bound holding transformers (and what it pins)
@@ -63,7 +64,7 @@ test-compat: $(COMPAT)/oldest/.installed $(COMPAT)/newest/.installed
 
 # the suite as a CPU with native bfloat16 runs it (calibration passes in bfloat16), emulated on any CPU
 test-bf16: install
-	WSCOMPRESS_TEST_BF16=1 $(PYTEST) -m "not slow and not cross_build"
+	WSCOMPRESS_TEST_BF16=1 $(PYTEST) -m "not slow and not cross_build and not kernel_build"
 
 # Paper tables: every recipe of a set at every ratio, one run folder each, then one merged table
 # and plot (wscompress report). Calibration statistics are collected once per set and copied into

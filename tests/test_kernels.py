@@ -376,6 +376,7 @@ def test_another_checkout_reuses_the_built_kernels(tmp_path):
     assert len(libraries) >= 2 and [p.stat().st_mtime_ns for p in libraries] == built
 
 
+@pytest.mark.kernel_build
 @pytest.mark.skipif(kernels.lowrank() is None, reason="kernels not built here")
 def test_a_build_killed_midway_does_not_hang_the_next_run(tmp_path):
     """A build killed while it compiles (SIGKILL: no handler runs) leaves torch's lock file
