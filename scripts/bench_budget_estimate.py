@@ -29,7 +29,8 @@ from torch import nn
 from wscompress.evaluation.perplexity import evaluate_text
 from wscompress.io.data import first_samples
 from wscompress.io.checkpoints import load_model
-from wscompress.methods.kmeans import every_use, measured_rows, misfit, palettize, target_layers
+from wscompress.methods.kmeans import every_use, measured_rows, misfit, palettize
+from wscompress.model.arch import target_layers
 from wscompress.model.arch import replace_everywhere, weight_of
 from wscompress.pipeline.context import Context
 from wscompress.pipeline.stats import SharedGrams

@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 from wscompress.io.checkpoints import load_model
-from wscompress.methods.kmeans import every_use, palettize, target_layers
+from wscompress.methods.kmeans import every_use, palettize
+from wscompress.model.arch import target_layers
 from wscompress.model.arch import weight_of
 from wscompress.model.modeling_wscompress import PalettizedLinear
 from wscompress.pipeline.context import Context

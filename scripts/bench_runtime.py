@@ -117,7 +117,8 @@ def random_layout(model, stage: dict) -> None:
     """A kmeans stage's layout on every target of ``model`` (the tied table shared by the
     embedding, as the method makes it) with random values (``random_palettized``), in the
     model's device and dtype."""
-    from wscompress.methods.kmeans import KMeansConfig, target_layers, tied_to_embeddings
+    from wscompress.methods.kmeans import KMeansConfig
+    from wscompress.model.arch import target_layers, tied_to_embeddings
     from wscompress.model.arch import replace_everywhere, weight_of
     from wscompress.model.modeling_wscompress import PalettizedEmbedding
 

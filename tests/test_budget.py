@@ -206,7 +206,8 @@ def test_calibrate_saves_the_sensitivities_a_budget_weighs(tmp_path, tiny_dir, m
     """`wscompress calibrate` of a recipe with a budget keeps the output sensitivities beside the
     Gram matrices, so the budget's measurement reads them instead of computing them again."""
     from wscompress.io.checkpoints import load_model
-    from wscompress.methods.kmeans import every_use, target_layers
+    from wscompress.methods.kmeans import every_use
+    from wscompress.model.arch import target_layers
     from wscompress.pipeline import calibration
     from wscompress.pipeline.context import Context
     from wscompress.workflow import stats_dir, step_calibrate

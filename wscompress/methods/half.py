@@ -17,11 +17,10 @@ from pydantic import Field
 from torch import nn
 
 from ..errors import UsageError
-from ..model.arch import Conv1D, replace_everywhere, weight_of
+from ..model.arch import Conv1D, replace_everywhere, target_layers, tied_to_embeddings, weight_of
 from ..model.modeling_wscompress import HalfLinear, PalettizedEmbedding
 from ..recipe.schema import TargetedStage
 from . import register
-from .kmeans import target_layers, tied_to_embeddings
 
 HALF_MAX = torch.finfo(torch.float16).max
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import re
 import time
 from collections.abc import Mapping
 from typing import Literal
@@ -46,7 +45,7 @@ from ..io.offload import offload_of
 from ..maths import knapsack
 from ..maths.clustering import GramFactors, assign, cluster
 from ..maths.linalg import solve_coefficients
-from ..model.arch import LINEAR_TYPES, Conv1D, dims_of, discover, distinct, match_modules, replace_everywhere, weight_of
+from ..model.arch import Conv1D, dims_of, discover, replace_everywhere, target_layers, tied_to_embeddings, weight_of
 from ..model.modeling_wscompress import CodebookDtype, PalettizedEmbedding, PalettizedLinear, entropy, packed_nbytes
 from ..pipeline.refit import Sums, fit_pass
 from ..pipeline.stats import SharedGrams
@@ -157,11 +156,6 @@ class KMeansConfig(TargetedStage, LayerRefit):
 
 # ----------------------------------------------------------------------------- the stage
 
-def default_targets(model: nn.Module) -> list[str]:
-    """Every linear inside the decoder layers (embeddings and lm_head only when targeted)."""
-    return [rf"^{re.escape(discover(model).layers_path)}\."]
-
-
 def _divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0 and d <= 64)
 
@@ -201,18 +195,6 @@ def layout_bytes(out_features: int, in_features: int, cfg: KMeansConfig) -> int:
     values = out_features // group_size_of(cfg, out_features) * 2 ** cfg.bits * d + aside + cfg.row_scale * out_features
     return packed_nbytes(out_features * in_features // d, cfg.bits) + values * getattr(torch, cfg.codebook_dtype).itemsize \
         + 4 * aside
-
-
-def target_layers(model: nn.Module, cfg: TargetedStage) -> dict[str, nn.Module]:
-    """Matched dense linears (a module shared by layers once)."""
-    layers = match_modules(model, cfg.targets or default_targets(model), cfg.ignore, kind=LINEAR_TYPES)
-    return {n: layers[n] for n in distinct(model, list(layers))}
-
-
-def tied_to_embeddings(model: nn.Module, module: nn.Module) -> nn.Embedding | None:
-    """The input embedding whose weight ``module`` (the LM head) shares, if it does."""
-    emb = model.get_input_embeddings()
-    return emb if isinstance(emb, nn.Embedding) and getattr(module, "weight", None) is emb.weight else None
 
 
 def layer_report(name: str, weight: torch.Tensor, layer: PalettizedLinear) -> dict:

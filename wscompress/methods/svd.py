@@ -19,7 +19,7 @@ from ..io.data import first_samples
 from ..io.offload import offload_of
 from ..maths.allocation import Unit, allocate, spectrum
 from ..maths.linalg import low_rank, rank_for_ratio
-from ..model.arch import Arch, dims_of, discover, distinct, get_module, match_modules, replace_everywhere, weight_of
+from ..model.arch import decoder_projections, dims_of, discover, distinct, get_module, replace_everywhere, weight_of
 from ..model.modeling_wscompress import LowRankLinear
 from ..pipeline.refit import refit_pass
 from ..pipeline.stats import SharedGrams
@@ -74,14 +74,6 @@ class SVDConfig(LowRankConfig):
         if not self.whitening and "refit" not in self.model_fields_set:
             self.refit = False
         return self
-
-
-def decoder_projections(model: nn.Module, arch: Arch, cfg: TargetedStage) -> dict[str, tuple[int, str]]:
-    """name -> (layer index, role) of the decoder-layer projections a stage compresses: all of
-    them by default, those matching ``targets`` (and not ``ignore``) otherwise."""
-    found = {name: (i, role) for i in range(arch.num_layers) for role, name in arch.projections(i).items()}
-    chosen = match_modules(model, cfg.targets or ["."], cfg.ignore, what=f"{cfg.method}.targets")
-    return {n: v for n, v in found.items() if n in chosen}
 
 
 @register(SVDConfig)

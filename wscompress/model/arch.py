@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -17,6 +18,9 @@ from transformers.pytorch_utils import Conv1D  # GPT-2 style layers store weight
 
 from ..errors import UsageError
 from .modeling_wscompress import CompressedLinear, weight_of  # noqa: F401  (the (out, in) weight of any linear)
+
+if TYPE_CHECKING:  # for annotations only: the recipe's types do not depend on the model's
+    from ..recipe.schema import TargetedStage
 
 LINEAR_TYPES = (nn.Linear, Conv1D)  # dense linears, and the compressed ones (nn.Linear subclasses) too
 
@@ -242,3 +246,31 @@ def match_modules(model: nn.Module, targets: list[str], ignore: list[str] = (),
         out.update((n, candidates[n]) for n in hits)
     ignores = [re.compile(p) for p in ignore]
     return {n: m for n, m in out.items() if not any(rx.search(n) for rx in ignores)}
+
+
+# ----------------------------------------------------------------------------- what a stage targets
+# (``cfg``: a stage's options with ``targets``, ``ignore`` and ``method``, recipe.schema.TargetedStage)
+
+def default_targets(model: nn.Module) -> list[str]:
+    """Every linear inside the decoder layers (embeddings and lm_head only when targeted)."""
+    return [rf"^{re.escape(discover(model).layers_path)}\."]
+
+
+def target_layers(model: nn.Module, cfg: TargetedStage) -> dict[str, nn.Module]:
+    """Matched dense linears (a module shared by layers once)."""
+    layers = match_modules(model, cfg.targets or default_targets(model), cfg.ignore, kind=LINEAR_TYPES)
+    return {n: layers[n] for n in distinct(model, list(layers))}
+
+
+def tied_to_embeddings(model: nn.Module, module: nn.Module) -> nn.Embedding | None:
+    """The input embedding whose weight ``module`` (the LM head) shares, if it does."""
+    emb = model.get_input_embeddings()
+    return emb if isinstance(emb, nn.Embedding) and getattr(module, "weight", None) is emb.weight else None
+
+
+def decoder_projections(model: nn.Module, arch: Arch, cfg: TargetedStage) -> dict[str, tuple[int, str]]:
+    """name -> (layer index, role) of the decoder-layer projections a stage compresses: all of
+    them by default, those matching ``targets`` (and not ``ignore``) otherwise."""
+    found = {name: (i, role) for i in range(arch.num_layers) for role, name in arch.projections(i).items()}
+    chosen = match_modules(model, cfg.targets or ["."], cfg.ignore, what=f"{cfg.method}.targets")
+    return {n: v for n, v in found.items() if n in chosen}

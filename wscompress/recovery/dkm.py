@@ -37,7 +37,8 @@ from torch.utils.checkpoint import checkpoint
 from ..errors import UsageError
 from ..io import ui
 from ..maths.clustering import centroid_means, cluster, nearest
-from ..methods.kmeans import KMeansConfig, check_layer, group_size_of, layer_report, summarize, target_layers
+from ..methods.kmeans import KMeansConfig, check_layer, group_size_of, layer_report, summarize
+from ..model.arch import target_layers
 from ..model.arch import Conv1D, is_dense_linear, replace_everywhere, weight_of
 from ..model.modeling_wscompress import PalettizedLinear, dequantize
 from ..recipe.schema import DKMConfig, error_lines, known_keys
