@@ -9,8 +9,8 @@ tokens/s and the integer path's speed-up, with the CPU's model and vector flags.
 norms and the head are not included: this is the part the integer path changes.
 
 Writes outputs/bench_prefill/results.{json,md}.
-Usage: python scripts/bench_prefill.py [--shapes tinyllama-1.1b smollm2-135m] [--threads 1 2] [--rounds 3]
-       python scripts/bench_prefill.py --dry-run   (a tiny shape, one round: the suite runs it)
+Usage: python scripts/bench_prefill.py [--shapes tinyllama smollm2] [--threads 1 2] [--rounds 3]
+       python scripts/bench_prefill.py --dry-run   (the first shape at toy size, one round: the suite runs it)
 """
 
 from __future__ import annotations
@@ -24,26 +24,13 @@ from pathlib import Path
 import torch
 
 from bench_runtime import MODELS, RECIPES, markdown, random_palettized
-from wscompress.io.hardware import cpu_flags
+from peers_llamacpp import SHAPES, TINY
+from wscompress.io.hardware import cpu_name, vector_flags
 
 REPO = Path(__file__).resolve().parents[1]
-SHAPES = {  # name -> (hidden, FFN, layers, KV width)
-    "tinyllama-1.1b": (2048, 5632, 22, 256),
-    "smollm2-135m": (576, 1536, 30, 192),
-    "tiny": (128, 256, 2, 64),
-}
-
-
 def projections(hidden: int, ffn: int, kv: int) -> list[tuple[int, int]]:
     """(out, in) of one decoder layer's projections: q, k, v, o, gate, up, down."""
     return [(hidden, hidden), (kv, hidden), (kv, hidden), (hidden, hidden), (ffn, hidden), (ffn, hidden), (hidden, ffn)]
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown CPU"
 
 
 @torch.no_grad()
@@ -59,20 +46,22 @@ def seconds(layers: list, inputs: dict[int, torch.Tensor], repeat: int, integer:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--shapes", nargs="+", default=["tinyllama-1.1b", "smollm2-135m"], choices=list(SHAPES))
+    ap.add_argument("--shapes", nargs="+", default=["tinyllama", "smollm2"], choices=list(SHAPES))
     ap.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=list(RECIPES))
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", type=Path, default=REPO / "outputs" / "bench_prefill")
-    ap.add_argument("--dry-run", action="store_true", help="the tiny shape, one round, one thread")
+    ap.add_argument("--dry-run", action="store_true", help="the first shape at toy size, one round, one thread")
     args = ap.parse_args()
+    shapes = {name: SHAPES[name] for name in args.shapes}
     if args.dry_run:
-        args.shapes, args.threads, args.rounds = ["tiny"], [1], 1
+        shapes = {f"{args.shapes[0]} at toy size": {**shapes[args.shapes[0]], **TINY}}
+        args.threads, args.rounds = [1], 1
     gen = torch.Generator().manual_seed(0)
     rows = []
-    for shape in args.shapes:
-        hidden, ffn, repeat, kv = SHAPES[shape]
+    for shape, dims in shapes.items():
+        hidden, ffn, repeat, kv = dims["hidden"], dims["ffn"], dims["layers"], dims["kv_heads"] * dims["head_dim"]
         inputs = {n: torch.randn(args.tokens, n, generator=gen) for n in (hidden, ffn)}
         for recipe in args.recipes:
             stage = MODELS[RECIPES[recipe]][0]
@@ -90,7 +79,7 @@ def main() -> None:
                 rows.append(row)
                 print(row, flush=True)
     os.environ.pop("WSCOMPRESS_INT8_PREFILL")
-    flags = " ".join(sorted(f for f in cpu_flags() if f.startswith(("avx", "fma", "amx"))))
+    flags = vector_flags()
     md = (f"Prefill of {args.tokens} tokens through every decoder projection (attention, norms and head "
           f"excluded), best of {args.rounds} rounds, both paths alternating in one process; {cpu_name()}, "
           f"flags: {flags}.\n\n" + markdown(rows, list(rows[0])))

@@ -51,7 +51,7 @@ from bench_runtime import MODELS, RECIPES, build, markdown, timings
 from wscompress.evaluation.decode import StaticDecoder
 from wscompress.io import storage
 from wscompress.io.checkpoints import builtin_dir, load_model
-from wscompress.io.hardware import _cpuinfo, cpu_flags
+from wscompress.io.hardware import cpu_name, vector_flags
 from wscompress.recipe.load import load_recipe
 
 REPO = Path(__file__).resolve().parents[1]
@@ -324,8 +324,7 @@ def main() -> None:
                 row["prefill x Q4_0"] = round(base["prefill"] / r["prefill"], 2)
             rows.append(row)
             print(row, flush=True)
-    flags = " ".join(sorted(f for f in cpu_flags() if f.startswith(("avx", "fma", "f16c"))))
-    cpu = _cpuinfo("model name") or "unknown"
+    flags, cpu = vector_flags(), cpu_name()
     cols = ["threads", "engine, model", "weight MB", "decode tok/s", "compiled decode tok/s", "decode GB/s",
             "decode x Q4_0", "prefill tok/s", "prefill x Q4_0"]
     made = f"made from {source.name}" if real else f"with random weights and {source.name}'s tokenizer"

@@ -52,6 +52,17 @@ def cpu_flags() -> frozenset[str]:
 
 
 @functools.cache
+def cpu_name() -> str:
+    """The CPU's model name, for benchmark tables ("unknown CPU" where /proc/cpuinfo has none)."""
+    return _cpuinfo("model name") or "unknown CPU"
+
+
+def vector_flags() -> str:
+    """The CPU's vector flags (AVX*, FMA, F16C, AMX) in one line, for benchmark tables."""
+    return " ".join(sorted(f for f in cpu_flags() if f.startswith(("avx", "fma", "f16c", "amx"))))
+
+
+@functools.cache
 def native_bfloat16(device: torch.device) -> bool:
     """Whether ``device`` multiplies bfloat16 in hardware: a GPU that has it, or a CPU with
     AVX-512 BF16 or AMX that oneDNN uses (elsewhere bfloat16 is emulated, slower than float32)."""
