@@ -315,7 +315,7 @@ def test_bad_input(options, match, tokenizer):
 @pytest.mark.slow
 def test_smollm2_basis_sharing_end_to_end(smollm2, tmp_path):
     """The real model: GQA defaults (k and v not shared), a sane perplexity, and a checkpoint
-    that reloads exactly at the size reported (quality at proper calibration size: scripts/bench_basis_sharing.py)."""
+    that reloads exactly at the size reported (quality at proper calibration size: scripts/experiments/bench_basis_sharing.py)."""
     from wscompress.evaluation.perplexity import perplexity
 
     model, tok = smollm2

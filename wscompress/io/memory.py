@@ -73,7 +73,7 @@ def idle_blas_threads() -> None:
     ends instead of spinning for 2^28 cycles (~0.1 s) first: between two Gram updates torch runs
     the next layer on the same cores, and the spinning threads halved its speed (SmolLM2's
     up and down projections between Gram updates: 73.8 ms, 36.6 ms with this;
-    ``scripts/bench_blas_threads.py``).
+    ``scripts/experiments/bench_blas_threads.py``).
     Read when OpenBLAS loads, so call this before scipy does. The user's own setting wins."""
     os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 

@@ -10,7 +10,7 @@ memory and the checkpoint hold it once) and per-layer coefficients (k -> out). T
 coefficients are optimal for the group's summed statistics; each layer's are then re-solved
 by least squares on its own Gram matrix (C = W·G·Bᵀ·(B·G·Bᵀ)⁻¹), which lowers every
 layer's output error at no cost in size (on SmolLM2 this is what puts Basis Sharing ahead of
-SVD-LLM at every ratio, see scripts/bench_basis_sharing.py). The rank
+SVD-LLM at every ratio, see scripts/experiments/bench_basis_sharing.py). The rank
 k = floor((1 - r)·n·d_in·d_out / (d_in + n·d_out)) removes ``ratio`` of the group's
 parameters. Private projections are compressed per layer at the same ratio (SVD-LLM).
 With ``refit: true`` every module's coefficients are then re-solved, module by module in

@@ -204,7 +204,7 @@ def shared_plus_deltas(targets: list[torch.Tensor], metrics: list[torch.Tensor],
     16 steps from a random start, then 2 an alternation. On SmolLM2's FFNs 20 alternations
     came within 3e-5 of the exact eigensolver's loss in a third to a half of its time; on a
     7B-shaped down projection a later alternation's truncation took 0.9 s against 17.7 s
-    (``scripts/bench_soft_share_search.py``, section 4)."""
+    (``scripts/experiments/bench_soft_share_search.py``, section 4)."""
     total = torch.linalg.cholesky(sum(metrics))
     # C = (Σ M_j·H_j − Σ A_j·B_j·H_j)·(Σ H_j)⁻¹: the first term once, the second through the
     # rank-row B_j·H_j, so an alternation solves for rank rows a member, not d_out

@@ -9,7 +9,7 @@ sensitivity, ½ Σ_r s_r (ΔW·G·ΔWᵀ)_rr; and the channels' gradient covaria
 with S = E[g gᵀ], the Kronecker-factored Fisher) and, for comparison, with the plain weight
 error ‖ΔW‖² and with the output error without sensitivity.
 
-Usage: python scripts/bench_budget_estimate.py [--pairs 24] [--windows 8] [--calibration DIR]
+Usage: python scripts/experiments/bench_budget_estimate.py [--pairs 24] [--windows 8] [--calibration DIR]
 (DIR: a `wscompress calibrate` output of configs/kmeans_budget_3bit.yaml, e.g.
 outputs/budget/calibration/calibration, to skip collecting the statistics)
 """
@@ -36,7 +36,7 @@ from wscompress.pipeline.context import Context
 from wscompress.pipeline.stats import SharedGrams
 from wscompress.recipe.load import load_recipe
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def ranks(x: np.ndarray) -> np.ndarray:

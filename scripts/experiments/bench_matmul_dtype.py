@@ -2,7 +2,7 @@
 SmolLM2-135M's projections), to see what `calibration.dtype: auto` buys on this machine:
 bfloat16 is only worth it where the hardware multiplies it (``model.native_bfloat16``).
 
-Usage: python scripts/bench_matmul_dtype.py [--tokens 4096] [--repeats 20]
+Usage: python scripts/experiments/bench_matmul_dtype.py [--tokens 4096] [--repeats 20]
 """
 
 from __future__ import annotations

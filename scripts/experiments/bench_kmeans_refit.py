@@ -7,27 +7,27 @@
    each --ridges value, at each --samples calibration size.
 
 Prints both tables and writes outputs/bench_kmeans_refit/results.{json,md}.
-Usage: python scripts/bench_kmeans_refit.py [--parts families ridge] [--layers 6] [--samples 8 32]
+Usage: python scripts/experiments/bench_kmeans_refit.py [--parts families ridge] [--layers 6] [--samples 8 32]
        [--ridges 0.001 0.01 0.1]
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
 import sys
 from pathlib import Path
 
 import torch
 
-import wscompress
-from wscompress.io import data
-from wscompress.io.checkpoints import load_model
-from wscompress.methods.merge_drop import drop_layers
-from wscompress.recipe.schema import ModelConfig
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: the benchmarks' shared helpers
+from _common import REPO, markdown, parser, write_results  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+import wscompress  # noqa: E402
+from wscompress.io import data  # noqa: E402
+from wscompress.io.checkpoints import load_model  # noqa: E402
+from wscompress.methods.merge_drop import drop_layers  # noqa: E402
+from wscompress.recipe.schema import ModelConfig  # noqa: E402
+
 sys.path.insert(0, str(REPO / "tests"))
 from conftest import make_tokenizer, tiny_model  # noqa: E402  (the tests' tiny configs of each family)
 
@@ -78,14 +78,8 @@ def ridge(layers: int, samples: list[int], ridges: list[float]) -> list[dict]:
     return rows
 
 
-def markdown(rows: list[dict]) -> str:
-    cols = list(rows[0])
-    return "\n".join(["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)] +
-                     ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows])
-
-
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__)
     ap.add_argument("--parts", nargs="+", default=["families", "ridge"], choices=["families", "ridge"])
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--samples", type=int, nargs="+", default=[8, 32])
@@ -96,11 +90,8 @@ def main() -> None:
         results["families"] = families()
     if "ridge" in args.parts:
         results["ridge"] = ridge(args.layers, args.samples, args.ridges)
-    out = REPO / "outputs" / "bench_kmeans_refit"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=1))
     md = "\n\n".join(f"{part}\n\n{markdown(rows)}" for part, rows in results.items())
-    (out / "results.md").write_text(md + "\n")
+    write_results(REPO / "outputs" / "bench_kmeans_refit", results, md)
     print(md)
 
 

@@ -9,29 +9,26 @@
 3. Prefill tokens/s (batch 1 and 8) of the original and of each method at the first ratio.
 
 Writes outputs/bench_basis_sharing/results.{json,md} and prints the tables.
-Usage: python scripts/bench_basis_sharing.py [--ratios 0.2 0.3 0.4 0.5] [--windows 16] [--refit 0.5] [--reuse]
+Usage: python scripts/experiments/bench_basis_sharing.py [--ratios 0.2 0.3 0.4 0.5] [--windows 16] [--refit 0.5] [--reuse]
 """
 
 from __future__ import annotations
 
-import argparse
-import copy
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from wscompress.evaluation.perplexity import perplexity
-from wscompress.io import data, storage
-from wscompress.io.checkpoints import load_model
-from wscompress.recipe.load import load_recipe
-from wscompress.workflow import apply_stages
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: the benchmarks' shared helpers
+from _common import REPO, compressed_copy, markdown, parser, step, write_results  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+from wscompress.evaluation.perplexity import perplexity  # noqa: E402
+from wscompress.io import data, storage  # noqa: E402
+from wscompress.io.checkpoints import load_model  # noqa: E402
+from wscompress.recipe.load import load_recipe  # noqa: E402
+
 CONFIG = REPO / "configs" / "basis_sharing.yaml"
 METHODS = {  # label -> stage (the ratio is filled in per run)
     "SVD": {"method": "svd", "whitening": False},
@@ -41,15 +38,6 @@ METHODS = {  # label -> stage (the ratio is filled in per run)
     "svd (fisher allocation)": {"method": "svd"},
     "basis_sharing g2 (fisher allocation)": {"method": "basis_sharing", "group_size": 2},
 }
-
-
-def cli(step: str, out: Path, sets: list[str]) -> dict:
-    """Run one wscompress step in a fresh process and return its report."""
-    cmd = [sys.executable, "-m", "wscompress.cli", step, str(CONFIG), "-o", str(out), "-q"]
-    for s in sets:
-        cmd += ["--set", s]
-    subprocess.run(cmd, check=True, cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    return json.loads((out / "reports" / f"{step}.json").read_text())
 
 
 @torch.inference_mode()
@@ -72,12 +60,6 @@ def prefill_tokens_per_s(models: dict[str, torch.nn.Module], batch: int, seq_len
     return {label: batch * seq_len / t for label, t in best.items()}
 
 
-def markdown(rows: list[dict], cols: list[str]) -> str:
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in rows]
-    return "\n".join(lines)
-
-
 def write(out: Path, args, recipe, rows: list[dict], steps: list[dict], speed: list[dict], labels: list[str]) -> str:
     """Write results.{json,md} (after every row, so an interrupted run keeps what it measured)."""
     ppl = {(x["method"], x["ratio"]): x["ppl"] for x in rows}
@@ -91,21 +73,18 @@ def write(out: Path, args, recipe, rows: list[dict], steps: list[dict], speed: l
         f"Prefill tokens/s (seq 128) at ratio {args.ratios[0]}, {torch.get_num_threads()} threads",
         markdown(speed, ["model", "prefill tok/s b1", "prefill tok/s b8"]),
     ])
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps({"rows": rows, "table": table, "steps": steps, "speed": speed}, indent=1))
-    (out / "results.md").write_text(md + "\n")
+    write_results(out, {"rows": rows, "table": table, "steps": steps, "speed": speed}, md)
     return md
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__, out="bench_basis_sharing")
     ap.add_argument("--ratios", type=float, nargs="+", default=[0.2, 0.3, 0.4, 0.5])
     ap.add_argument("--windows", type=int, default=16, help="perplexity windows of 512 tokens")
     ap.add_argument("--refit", type=float, nargs="*", default=[],
                     help="ratios at which to add Basis Sharing g2 with coefficient refit (the paper uses it from 40 %%)")
     ap.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS), help="the rows to measure")
     ap.add_argument("--reuse", action="store_true", help="reuse the calibrate/compress reports already in --out")
-    ap.add_argument("--out", type=Path, default=REPO / "outputs" / "bench_basis_sharing")
     args = ap.parse_args()
     methods = {label: (stage, args.ratios) for label, stage in METHODS.items() if label in args.methods}
     if args.refit:
@@ -115,8 +94,8 @@ def main() -> None:
 
     # 1. the CLI steps: statistics once, one compression saved to disk
     reports = {step: out / "reports" / f"{step}.json" for step in ("calibrate", "compress")}
-    calib, comp = (json.loads(path.read_text()) if args.reuse and path.is_file() else cli(step, out, [])
-                   for step, path in reports.items())
+    calib, comp = (json.loads(path.read_text()) if args.reuse and path.is_file() else step(command, CONFIG, out)
+                   for command, path in reports.items())
     saved = comp["compressed"]
     steps = [{"step": "calibrate", "seconds": calib["seconds"], "peak_memory_mb": calib["peak_memory_mb"]},
              {"step": "compress (BS g2, 20 %)", "seconds": comp["stages"][0]["seconds"],
@@ -139,12 +118,7 @@ def main() -> None:
         for label, (stage, ratios) in methods.items():
             if ratio not in ratios:
                 continue
-            model = copy.deepcopy(original)
-            run = recipe.model_copy()
-            run.compress = load_recipe(data={"compress": [{**stage, "ratio": ratio}]}).compress
-            start = time.perf_counter()
-            report = apply_stages(model, tok, run)[0]
-            seconds = time.perf_counter() - start
+            model, (report,), seconds = compressed_copy(original, tok, recipe, [{**stage, "ratio": ratio}])
             result = perplexity(model, ids, 512, batch_size=4, max_windows=args.windows, label=f"ppl {label} {ratio}")
             rows.append({"method": label, "ratio": ratio, "ppl": round(result["ppl"], 2), "params": report["params_after"],
                          "compress_s": round(seconds, 1), "remainder": report.get("remainder") or ""})

@@ -4,7 +4,7 @@ with its float32 head, then with the same head rounded to float16 in place (what
 stores), then (``--8bit``) with the head palettized as ``bench_runtime.HEAD_8BIT`` (a 256-entry
 float16 codebook per 64 rows, plain k-means).
 
-Usage: python scripts/bench_half_head.py FOLDER [--threads 2] [--8bit]
+Usage: python scripts/experiments/bench_half_head.py FOLDER [--threads 2] [--8bit]
 (FOLDER: a model folder whose head is still dense float32: one a recipe without the half stage
 wrote, e.g. configs/kmeans_4bit.yaml with that stage deleted, or the builtin model's folder,
 ``~/.cache/wscompress/smollm2-135m-instruct``)
@@ -12,25 +12,26 @@ wrote, e.g. configs/kmeans_4bit.yaml with that stage deleted, or the builtin mod
 
 from __future__ import annotations
 
-import argparse
+import sys
 from pathlib import Path
 
 import torch
 
-import wscompress
-from wscompress.evaluation.perplexity import evaluate_text
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: the benchmarks' shared helpers
+from _common import parse, parser  # noqa: E402
+
+import wscompress  # noqa: E402
+from wscompress.evaluation.perplexity import evaluate_text  # noqa: E402
 
 TEXTS = ["builtin:wiki.test", "builtin:brown"]
 
 
 @torch.no_grad()
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__, threads=2)
     ap.add_argument("folder", type=Path)
-    ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--8bit", dest="eight", action="store_true", help="also the head in 8 bits (HEAD_8BIT)")
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    args = parse(ap)
     model, tokenizer = wscompress.load(args.folder, device="cpu")
     model.eval()
     head = model.get_output_embeddings().weight

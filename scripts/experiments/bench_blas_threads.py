@@ -4,7 +4,7 @@ Gram matrix) in turn, with OpenBLAS's default thread timeout and with the one `i
 (`memory.idle_blas_threads`). Each setting runs in its own process, since OpenBLAS reads it
 when it loads.
 
-Usage: python scripts/bench_blas_threads.py [--rounds 40]
+Usage: python scripts/experiments/bench_blas_threads.py [--rounds 40]
 """
 
 from __future__ import annotations

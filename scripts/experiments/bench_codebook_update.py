@@ -7,7 +7,7 @@ palettizes every matrix of two layers of SmolLM2-135M with the budget menu's 2-d
 the protocol's calibration statistics, as the budget measures them) and prints each matrix's
 output error before and after the update, the new codebook rounded to float16 as stored.
 
-Usage: python scripts/bench_codebook_update.py [--layers 4 20] [--calibration DIR]
+Usage: python scripts/experiments/bench_codebook_update.py [--layers 4 20] [--calibration DIR]
 (DIR: a `wscompress calibrate` output of configs/kmeans_budget_3bit.yaml, to skip collecting
 the statistics)
 """
@@ -29,7 +29,7 @@ from wscompress.pipeline.context import Context
 from wscompress.pipeline.stats import SharedGrams
 from wscompress.recipe.load import load_recipe
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def output_error(w: torch.Tensor, layer: PalettizedLinear, gram: torch.Tensor) -> float:

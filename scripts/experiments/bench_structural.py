@@ -9,31 +9,32 @@ so that a loaded machine slows both alike. The original model is fine-tuned the 
 reference, since fine-tuning on wiki text alone lowers wiki perplexity.
 
 Writes outputs/bench_structural/results.{json,md} and prints the table.
-Usage: python scripts/bench_structural.py [--windows 8] [--steps 20] [--only merge_drop_n2 ...]
+Usage: python scripts/experiments/bench_structural.py [--windows 8] [--steps 20] [--only merge_drop_n2 ...]
 (on a busy 2-core CPU: --windows 4 --steps 10 --ft-batch 2 --ft-seq-len 128 --calib-samples 4
 --prefill-len 256 --rounds 3 keeps it near 15 minutes when the machine is otherwise idle)
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from wscompress import load
-from wscompress.evaluation.perplexity import perplexity
-from wscompress.io import data, storage
-from wscompress.io.checkpoints import builtin_dir
-from wscompress.recipe.load import load_recipe
-from wscompress.recovery.finetune import finetune
-from wscompress.workflow import apply_stages
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: the benchmarks' shared helpers
+from _common import markdown, parse, parser, write_results  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+from wscompress import load  # noqa: E402
+from wscompress.evaluation.perplexity import perplexity  # noqa: E402
+from wscompress.io import data, storage  # noqa: E402
+from wscompress.io.checkpoints import builtin_dir  # noqa: E402
+from wscompress.recipe.load import load_recipe  # noqa: E402
+from wscompress.recovery.finetune import finetune  # noqa: E402
+from wscompress.workflow import apply_stages  # noqa: E402
+
 LAST_MEAN = {"init": "mean", "search": False, "refit": False}  # merge_drop's data-free options (the mean of the last layers)
 # label -> (stages, finetune mode, learning rate): `method` trains only what the method made
 # (soft_share deltas, embedding factors); models with plain shared/merged modules train `full`
@@ -95,13 +96,11 @@ def depth_latency(base, args) -> list[dict]:
             for n, m, t in zip((0, 2, 4), models, times)]
 
 
-def markdown(rows: list[dict], cols: list[str]) -> str:
+def table(rows: list[dict], cols: list[str]) -> str:
     def cell(v):
-        return f"{v:.3g}" if isinstance(v, float) and abs(v) < 1000 else (f"{v:,}" if isinstance(v, int | float) else str(v))
+        return f"{v:.3g}" if isinstance(v, float) and abs(v) < 1000 else (f"{v:,}" if isinstance(v, int | float) else v)
 
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(cell(r.get(c, "")) for c in cols) + " |" for r in rows]
-    return "\n".join(lines)
+    return markdown([{c: cell(r[c]) for c in cols if c in r} for r in rows], cols)
 
 
 def run_one(name: str, base, tokenizer, test_ids, args, out: Path) -> dict:
@@ -137,7 +136,7 @@ def run_one(name: str, base, tokenizer, test_ids, args, out: Path) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__, out="bench_structural", threads=None)
     ap.add_argument("--windows", type=int, default=8, help="perplexity windows of 512 tokens")
     ap.add_argument("--steps", type=int, default=20, help="recovery fine-tune steps; 0: none")
     ap.add_argument("--ft-batch", type=int, default=4, help="fine-tune sequences per step")
@@ -150,24 +149,18 @@ def main() -> None:
                     help="skip fine-tuning the original (the reference for the fine-tuned perplexities)")
     ap.add_argument("--depth-latency", action="store_true",
                     help="only time original vs merge_drop n=2/4 (use many --rounds on a busy machine)")
-    ap.add_argument("--threads", type=int, default=None,
-                    help="torch CPU threads (1 keeps timings stable on an oversubscribed machine)")
-    ap.add_argument("--out", type=Path, default=REPO / "outputs" / "bench_structural")
-    args = ap.parse_args()
+    args = parse(ap)  # --threads 1 keeps timings stable on an oversubscribed machine
     args.out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
-    if args.threads:  # with several threads every op waits for the slowest one: preemption multiplies
-        torch.set_num_threads(args.threads)
 
     base, tokenizer = load(str(builtin_dir("smollm2-135m-instruct")))
     base.to("cuda" if torch.cuda.is_available() else "cpu")
     if args.depth_latency:
         rows = depth_latency(base, args)
-        table = markdown(rows, list(rows[0]))
-        setup = {k: str(v) for k, v in vars(args).items()}
-        (args.out / "depth_latency.json").write_text(json.dumps({"setup": setup, "rows": rows}, indent=1))
-        (args.out / "depth_latency.md").write_text(f"# merge_drop prefill latency vs depth\n\n{table}\n")
-        print(table)
+        md = table(rows, list(rows[0]))
+        write_results(args.out, {"setup": {k: str(v) for k, v in vars(args).items()}, "rows": rows},
+                      f"# merge_drop prefill latency vs depth\n\n{md}", stem="depth_latency")
+        print(md)
         return
     test_ids = data.tokenize(tokenizer, "builtin:wiki.test", max_tokens=args.windows * 512 + 1)
     names = ["original"] + [n for n in CONFIGS if n != "original" and (not args.only or n in args.only)]
@@ -178,11 +171,10 @@ def main() -> None:
         rows.append(run_one(name, base, tokenizer, test_ids, args, args.out))
         ref = rows[0]
         rows[-1].update(params_saved=ref["params"] - rows[-1]["params"], depth_ratio=rows[-1]["layers"] / ref["layers"])
-        print(markdown(rows[-1:], COLUMNS).splitlines()[-1], flush=True)
-        table = markdown(rows, COLUMNS)  # written after every method: an interrupted run keeps what it measured
-        (args.out / "results.json").write_text(json.dumps({"setup": setup, "rows": rows}, indent=1))
-        (args.out / "results.md").write_text(f"# Structural sharing on SmolLM2-135M\n\nSetup: {setup}\n\n{table}\n")
-    print(f"\nSetup: {setup}\n\n{table}")
+        print(table(rows[-1:], COLUMNS).splitlines()[-1], flush=True)
+        md = table(rows, COLUMNS)  # written after every method: an interrupted run keeps what it measured
+        write_results(args.out, {"setup": setup, "rows": rows}, f"# Structural sharing on SmolLM2-135M\n\nSetup: {setup}\n\n{md}")
+    print(f"\nSetup: {setup}\n\n{md}")
 
 
 if __name__ == "__main__":

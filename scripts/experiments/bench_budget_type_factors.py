@@ -8,7 +8,7 @@ The measurements are kept under the cache like any budget's, so this runs with i
 (``--cache``, holding links to the real cache's model and kernels): the scaled costs must not
 be kept where normal budget runs would read them.
 
-Usage: python scripts/bench_budget_type_factors.py [--bits 3.0] [--factor o_proj=28.8 ...] [--out DIR]
+Usage: python scripts/experiments/bench_budget_type_factors.py [--bits 3.0] [--factor o_proj=28.8 ...] [--out DIR]
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from wscompress.io.files import cache_dir  # reads WSCOMPRESS_CACHE when called, not when imported
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 FACTORS = {"q_proj": 5.9, "k_proj": 13.5, "v_proj": 3.0, "o_proj": 28.8, "gate_proj": 10.5, "up_proj": 7.9,
            "down_proj": 9.5}
 

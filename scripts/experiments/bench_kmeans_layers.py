@@ -3,7 +3,7 @@ output error tr(ΔW G ΔWᵀ) / tr(W G Wᵀ) of each module (G: its inputs' Gram
 tokens of wiki.train) and the bits per weight as stored, for `kmeans` options given as
 ``key=value,...`` (no refit: one module at a time, on the original model's inputs).
 
-Usage: python scripts/bench_kmeans_layers.py "bits=2" "bits=2,outliers=0" "bits=8,cluster_dim=4,granularity=per_tensor"
+Usage: python scripts/experiments/bench_kmeans_layers.py "bits=2" "bits=2,outliers=0" "bits=8,cluster_dim=4,granularity=per_tensor"
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@
    from a random start (16 steps, an alternation's first) and from its own result (2 steps,
    every later alternation).
 
-Usage: python scripts/bench_soft_share_search.py [--window 4] [--rank 8] [--skip exact gemma refit solve]
+Usage: python scripts/experiments/bench_soft_share_search.py [--window 4] [--rank 8] [--skip exact gemma refit solve]
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from wscompress import load
 from wscompress.io import data
 from wscompress.io.checkpoints import builtin_dir
 
+REPO = Path(__file__).resolve().parents[2]
 WIKI_TRAIN = "builtin:wiki.train"
 
 
@@ -138,7 +139,7 @@ def refit_search(model, tok) -> None:
     from wscompress.pipeline.layerwise import layerwise
     from wscompress.recipe.load import load_recipe
 
-    recipe = load_recipe(Path(__file__).resolve().parents[1] / "configs" / "protocol.yaml")
+    recipe = load_recipe(REPO / "configs" / "protocol.yaml")
     ctx, cfg, arch = Context(recipe.calibration, tok), SoftShareConfig(), discover(model)
     batches, dtype = ctx.calibration(), ctx.dtype(model)
     names = [n for i in range(arch.num_layers) for n in ffn_names(arch, i, "soft_share").values()]
@@ -193,7 +194,7 @@ def joint_solve(model, tok, start: int = 15) -> None:
     from wscompress.pipeline.context import Context
     from wscompress.recipe.load import load_recipe
 
-    recipe = load_recipe(Path(__file__).resolve().parents[1] / "configs" / "protocol.yaml")
+    recipe = load_recipe(REPO / "configs" / "protocol.yaml")
     ctx, cfg, arch = Context(recipe.calibration, tok), soft_share.SoftShareConfig(), discover(model)
     names = [n for i in range(arch.num_layers) for n in ffn_names(arch, i, "soft_share").values()]
     acts = sample_inputs(model, arch, ctx.calibration(), "down", cfg.samples_per_batch, dtype=ctx.dtype(model))

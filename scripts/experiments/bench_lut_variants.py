@@ -7,7 +7,7 @@ a 256-entry table of index pairs per row (one load per byte instead of two looku
 shipped kernel's figures in docs/gpu.md (9.7 / 19.1 / 20.2 us on an H200) came from this
 comparison. Needs a CUDA GPU.
 
-Usage: python scripts/bench_lut_variants.py
+Usage: python scripts/experiments/bench_lut_variants.py
 """
 
 from __future__ import annotations

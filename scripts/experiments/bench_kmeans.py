@@ -9,7 +9,7 @@
    fine-tuning with the same settings).
 
 Writes outputs/bench_kmeans/results.json and results.md and prints the tables.
-Example: python scripts/bench_kmeans.py --windows 8 --threads 2
+Example: python scripts/experiments/bench_kmeans.py --windows 8 --threads 2
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 WIKI_TRAIN = "builtin:wiki.train"
 WIKI_TEST = "builtin:wiki.test"
 MATRICES = ["model.layers.3.self_attn.q_proj", "model.layers.10.mlp.down_proj", "model.layers.20.mlp.gate_proj"]
