@@ -136,8 +136,9 @@ def test_compiled_decoding_gives_the_eager_tokens(tokenizer):
 
 def test_many_compiled_decoders_in_one_process():
     """Each compiled decoder traces its own model's step (benchmarks compile a dozen models side
-    by side): more graphs of one code object than dynamo's recompile limit (lowered to 1 here to
-    keep the test short; 8 by default), each still right."""
+    by side), more of them than dynamo's recompile limit (lowered to 1 here to keep the test
+    short; 8 by default), and each decodes its own model's tokens: its step checks no guard on
+    the model, so a graph shared between decoders would serve one model's step to another."""
     import torch._dynamo
 
     prompt = torch.tensor([[1, 2, 3]])

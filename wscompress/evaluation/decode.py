@@ -15,7 +15,8 @@ and automatic compilation).
 from __future__ import annotations
 
 import inspect
-from typing import Callable
+import types
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -45,6 +46,13 @@ def compile_decode(model: nn.Module) -> nn.Module:
     return model
 
 
+def step_guards(entries: Sequence) -> list[bool]:
+    """Dynamo's guards a decode step keeps (``torch.compile``'s ``guard_filter_fn``): those on
+    its arguments (``ids``, ``positions``: shape, dtype, device) and on global state (grad
+    mode, default device), none on the model or the modules' code."""
+    return [e.name in ("ids", "positions") or not e.name for e in entries]
+
+
 class StaticDecoder:
     """Greedy decoding after ``prompt`` (batch, length): the prompt is run once on construction;
     each ``step()`` decodes one token per sequence (at most ``max_new_tokens`` after each
@@ -64,21 +72,24 @@ class StaticDecoder:
         if compile:
             for _ in range(WARMUP):  # layers build their kernel layouts eagerly: the graph reads them
                 self._step()
-            self.forward = self._compiled(torch.compile(self._logits, dynamic=False, fullgraph=True))
+            self.forward = self._compiled()
             self._step()  # traced and compiled here, not in the first timed step
             self.reset()
         if graph:
             self._capture()
 
-    @staticmethod
-    def _compiled(step: Callable) -> Callable:
-        """``step`` run with dynamo's recompile limit lifted: every decoder's step shares one code
-        object (``_logits``), so dynamo counts each model's graph (and a model's graph for another
-        thread count, whose kernel layouts differ) as a recompile of one function."""
-        def run(*args):
-            with torch._dynamo.config.patch(recompile_limit=1 << 16):
-                return step(*args)
-        return run
+    def _compiled(self) -> Callable:
+        """This decoder's step, compiled, checking before each call only what can change between
+        calls: the step's own inputs and the interpreter's global state. Dynamo otherwise checks
+        the model's every module before each call (thousands of guards on a 30-layer model: their
+        evaluation was about a fifth of a compiled SmolLM2 step, docs/runtime.md) to catch a
+        model changed since tracing; the step, like a captured CUDA graph, is bound to the model
+        as it was traced. The step is a copy of ``_logits``' code, so that dynamo keeps this
+        decoder's graph apart from every other decoder's (its cache is per code object): with
+        the module guards gone, a shared one would serve one model's graph to another."""
+        own = types.FunctionType(StaticDecoder._logits.__code__.replace(), globals(), "_logits")
+        return torch.compile(types.MethodType(own, self), dynamic=False, fullgraph=True,
+                             options={"guard_filter_fn": step_guards})
 
     def _logits(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=ids, cache_position=positions, use_cache=True, **{self.cache_name: self.cache}).logits
