@@ -90,10 +90,6 @@ def check_finetune(recipe: Recipe) -> None:
         kmeans_stage(cfg.dkm)
 
 
-# children the compressed layers put under a module they replace: a later stage may target them
-COMPRESSED_CHILDREN = ("basis", "coeff", "base", "table", "embed", "proj")
-
-
 def check_structure(model: nn.Module, recipe: Recipe, stages: list, finetune: FinetuneConfig | None,
                     sections: set[Section]) -> None:
     """Options against the model's structure: the first stage's exactly, a later stage's against
@@ -101,6 +97,7 @@ def check_structure(model: nn.Module, recipe: Recipe, stages: list, finetune: Fi
     name the children the stages before it create, e.g. ``coeff``); the fine-tuning targets
     likewise; and no sequence longer than the model's positions."""
     from .model.arch import match_modules
+    from .model.modeling_wscompress import LAYERS
     from .recipe.schema import TargetedStage
 
     if stages and not savable(model):
@@ -108,7 +105,8 @@ def check_structure(model: nn.Module, recipe: Recipe, stages: list, finetune: Fi
                          "transformers ships, so no compressed folder can name it for loading",
                          "compress a checkpoint of a LLaMA, Mistral, Qwen2, Gemma, GPT-2, OPT, ... architecture")
     names = [n for n, _ in model.named_modules()]
-    later = names + [f"{n}.{c}" for n in names for c in COMPRESSED_CHILDREN]
+    children = sorted({c for layer in LAYERS.values() for c in layer.CHILDREN})  # what each form declares it holds
+    later = names + [f"{n}.{c}" for n in names for c in children]
     for i, stage in enumerate(stages):
         if i == 0 or not isinstance(stage, TargetedStage):
             stage.check(model)

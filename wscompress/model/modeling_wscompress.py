@@ -15,7 +15,7 @@ config for any reader (AutoTokenizer's probe, hub tooling), while the weights ar
 weight *variant* (``model.wscompress.safetensors``) that only these classes ask for: a stock
 model class finds no weights and refuses the folder instead of filling it with random ones.
 
-Everything read from a folder is checked before any kernel sees it (``check_compression``,
+Everything read from a folder is checked before any kernel sees it (``check_entry``,
 ``check_weight_files``, ``validate``): a crafted or damaged folder is a ValueError naming the
 problem, never an out-of-range read.
 """
@@ -30,8 +30,9 @@ import math
 import os
 import re
 import shutil
+import types
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Literal, NamedTuple
+from typing import Any, Callable, ClassVar, Literal, NamedTuple, Union, get_args, get_origin, get_type_hints
 
 import numpy as np
 import torch
@@ -240,9 +241,39 @@ def round_tables(tables: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.
 # ----------------------------------------------------------------------------- the layers
 
 LAYERS: dict[str, type[nn.Module]] = {}  # class name -> class: what config.json's ``compression`` names
+_JSON_TYPES = {int: (int,), float: (float, int), bool: (bool,), str: (str,), type(None): (type(None),)}
 
 
-def register_layer(cls: type[nn.Module]) -> type[nn.Module]:
+class Argument(NamedTuple):
+    """One constructor argument of a compressed layer, as config.json may give it."""
+
+    accepts: Callable[[Any], bool]  # whether a value read from JSON is one the argument takes
+    required: bool
+
+
+def _accepts(hint: Any, where: str) -> Callable[[Any], bool]:
+    """The JSON values a type hint allows: int, float (an int too), bool, str, None, a Literal of
+    those, or a union of them; any other hint is a TypeError naming ``where``."""
+    if get_origin(hint) is Literal:
+        options = get_args(hint)
+        return lambda v: any(type(v) is type(o) and v == o for o in options)  # True is not 1 here
+    if get_origin(hint) in (Union, types.UnionType):
+        parts = [_accepts(h, where) for h in get_args(hint)]
+        return lambda v: any(part(v) for part in parts)
+    if hint not in _JSON_TYPES:  # an argument without a hint is Any: refused too
+        raise TypeError(f"{where}: its type hint {hint!r} is no JSON value; a compressed layer's constructor takes "
+                        "int, float, bool, str, None, Literals of those and unions of them (config.json records them)")
+    return lambda v: type(v) in _JSON_TYPES[hint]  # exact types: a bool is no int
+
+
+def register_layer(cls: type[CompressedLayer]) -> type[CompressedLayer]:
+    """Make ``cls`` loadable by its name: config.json's ``compression`` names it with its
+    constructor arguments (``spec``), which ``check_entry`` checks against the type hints of
+    ``cls.__init__`` (``ARGUMENTS``, read here, so a hint no JSON value fits fails at import)."""
+    hints = get_type_hints(cls.__init__)
+    params = [p for p in inspect.signature(cls.__init__).parameters.values() if p.name != "self"]
+    cls.ARGUMENTS = {p.name: Argument(_accepts(hints.get(p.name, Any), f"{cls.__name__}.__init__({p.name})"),
+                                      p.default is inspect.Parameter.empty) for p in params}
     LAYERS[cls.__name__] = cls
     return cls
 
@@ -250,9 +281,17 @@ def register_layer(cls: type[nn.Module]) -> type[nn.Module]:
 class CompressedLayer:
     """What every compressed layer is: its values always come from a checkpoint (transformers never
     initialises it), it describes itself (``spec``: the constructor arguments that rebuild its
-    structure) and it turns back into a dense module (``to_dense``, for export to stock transformers)."""
+    structure) and it turns back into a dense module (``to_dense``, for export to stock transformers).
+
+    Everything loading needs to know of a form is declared here, on its class: its constructor
+    arguments (``__init__``'s type hints, read by ``register_layer``), what a folder's values of
+    them may be (``check_spec``), the shape of the dense module it stands for (``dense_shape``),
+    the child modules it holds (``CHILDREN``), what its loaded tensors must satisfy before a kernel
+    reads them (``check_values``) and what it does once they are loaded (``settle``)."""
 
     _is_hf_initialized = True  # transformers' init skips modules that say so: every value is loaded
+    ARGUMENTS: ClassVar[dict[str, Argument]]  # set by ``register_layer``
+    CHILDREN: ClassVar[tuple[str, ...]] = ()  # its child modules: a later stage may compress them in turn
 
     @staticmethod
     def dense_shape(spec: dict) -> tuple[int, int]:
@@ -279,6 +318,14 @@ class CompressedLayer:
     def spec(self) -> dict:
         """Constructor keyword arguments that rebuild this module's structure (not its values)."""
         raise NotImplementedError
+
+    def check_values(self, where: str) -> None:
+        """Refuse loaded tensors that would make this layer read out of range (``where``: its name),
+        with ``corrupt``; shapes and dtypes were checked on the files' headers already."""
+
+    def settle(self, dtype: torch.dtype | None) -> None:
+        """After its tensors are loaded and checked: what the layer derives from them, and values it
+        stores in a dtype of its own brought to ``dtype`` (the floating dtype the model loads in, or None)."""
 
     def to_dense(self) -> nn.Module:
         raise NotImplementedError
@@ -363,6 +410,8 @@ class CompressedLinear(CompressedLayer, nn.Linear):
 class LowRankLinear(CompressedLinear):
     """y = coeff(basis(x)): a (rank, in) basis then (out, rank) coefficients (+ the original bias)."""
 
+    CHILDREN = ("basis", "coeff")
+
     def __init__(self, in_features: int, out_features: int, rank: int, bias: bool = False, conv1d: bool = False):
         super().__init__()
         self.in_features, self.out_features, self.rank = in_features, out_features, rank
@@ -419,6 +468,8 @@ class SharedBasisLinear(LowRankLinear):
 class LowRankDeltaLinear(CompressedLinear):
     """y = x (W_c + A B)^T + b: ``base`` (W_c) is an nn.Linear shared by a window of layers;
     A (out, rank), B (rank, in) and the bias are this layer's own."""
+
+    CHILDREN = ("base",)
 
     def __init__(self, in_features: int, out_features: int, rank: int, bias: bool = False, conv1d: bool = False):
         super().__init__()
@@ -517,8 +568,6 @@ class PalettizedLinear(CompressedLinear):
             problem = f"{outliers} outliers in a {out}x{cols} weight"
         elif problem is None and stream is not None and stream > out * cols // d * MAX_CODE_LENGTH // 8 + 8:
             problem = f"a Huffman stream of {stream} bytes is longer than its indices can need"
-        elif problem is None and spec.get("codebook_dtype", "float32") not in ("float16", "bfloat16", "float32"):
-            problem = f"codebook_dtype={spec['codebook_dtype']!r} is not float16, bfloat16 or float32"
         return problem
 
     def check_values(self, where: str) -> None:
@@ -606,6 +655,16 @@ class PalettizedLinear(CompressedLinear):
             if prefix + name in state_dict:
                 state_dict[prefix + name] = state_dict[prefix + name].to(self.codebook.dtype)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)  # then ``settle`` checks and decodes
+
+    def settle(self, dtype: torch.dtype | None) -> None:
+        """Decode the Huffman-coded indices the file held, and bring codebooks, scales and outliers
+        (stored in ``codebook_dtype``, which transformers' loader keeps) to ``dtype``, as
+        ``_load_from_state_dict`` does."""
+        self.decode_stream()
+        if dtype is not None:
+            with torch.no_grad():
+                for p in self.trainable_parameters():  # exactly the values stored in codebook_dtype
+                    p.data = p.data.to(dtype)
 
     def decode_stream(self, where: str = "a palettized layer") -> None:
         """Fill ``indices`` from the Huffman-coded stream the file holds (a no-op without one),
@@ -789,6 +848,10 @@ class HalfLinear(CompressedLinear):
         """Rows ``ids`` (any shape) of the weight (an embedding lookup in this table): (*ids.shape, in_features)."""
         return self.weight16[ids].to(self.dtype_probe.dtype)
 
+    def settle(self, dtype: torch.dtype | None) -> None:
+        if dtype is not None:  # the dtype it returns rows and dense weights in (its bits stay 16)
+            self.dtype_probe = self.dtype_probe.to(dtype)
+
     def dense_weight(self) -> torch.Tensor:
         return self.weight16.to(self.dtype_probe.dtype)
 
@@ -806,6 +869,8 @@ class PalettizedEmbedding(CompressedLayer, nn.Module):
     ``PalettizedLinear`` or a ``HalfLinear``): a lookup decodes only the rows it reads. With tied
     embeddings the LM head *is* that table module, so the matrix is stored once and the head's
     matmul runs the table's kernel."""
+
+    CHILDREN = ("table",)
 
     def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None, scale: float = 1.0):
         super().__init__()
@@ -843,6 +908,8 @@ class PalettizedEmbedding(CompressedLayer, nn.Module):
 @register_layer
 class FactorizedEmbedding(CompressedLayer, nn.Module):
     """ALBERT's factorised embedding: lookup in a (V, E) table followed by an (E -> H) projection."""
+
+    CHILDREN = ("embed", "proj")
 
     def __init__(self, num_embeddings: int, embedding_dim: int, rank: int, padding_idx: int | None = None,
                  scale: float = 1.0):
@@ -885,6 +952,8 @@ class FactorizedEmbedding(CompressedLayer, nn.Module):
 class FactorizedLMHead(CompressedLinear):
     """LM head tied to a FactorizedEmbedding: logits = h P E^T. Its ``embed`` and ``proj``
     are the embedding's own modules (the same objects), so the factors are stored once."""
+
+    CHILDREN = ("embed", "proj")
 
     def __init__(self, num_embeddings: int, embedding_dim: int, rank: int, bias: bool = False):
         super().__init__()
@@ -1027,24 +1096,19 @@ def _dense_shape(module: nn.Module | None) -> tuple[int, int] | None:
     """(out, in) of a linear, (rows, width) of an embedding table; None for other modules."""
     if isinstance(module, Conv1D):
         return module.weight.shape[1], module.weight.shape[0]
+    if isinstance(module, CompressedLayer):  # a compressed layer's own child slot, filled next (a table)
+        return type(module).dense_shape(module.spec())
     if isinstance(module, nn.Linear):
         return module.out_features, module.in_features
-    if isinstance(module, nn.Embedding) or type(module) in (PalettizedEmbedding, FactorizedEmbedding):
+    if isinstance(module, nn.Embedding):
         return module.num_embeddings, module.embedding_dim
     return None
 
 
-_ARGUMENTS: dict[str, tuple[type, ...]] = {  # every constructor argument a layer spec may hold, and its JSON types
-    "in_features": (int,), "out_features": (int,), "rank": (int,), "bits": (int,), "group_size": (int,),
-    "cluster_dim": (int,), "stream_bytes": (int, type(None)), "outliers": (int,), "num_embeddings": (int,),
-    "embedding_dim": (int,), "padding_idx": (int, type(None)), "bias": (bool,), "conv1d": (bool,),
-    "scaled": (bool,), "codebook_dtype": (str,), "scale": (float, int)}
-
-
 def check_entry(model: nn.Module, name: str, entry: Any) -> tuple[nn.Module, str, type]:
     """(parent, leaf, class) of one ``compression.modules`` entry, after checking that its type
-    is known, its arguments are those of the class with sane values (``check_spec``) and its
-    shape is that of the module it replaces."""
+    is known, its arguments are those of the class (``ARGUMENTS``) with sane values (``check_spec``)
+    and its shape is that of the module it replaces."""
     if not isinstance(entry, dict) or not isinstance(entry.get("spec"), dict):
         raise corrupt(f"config.json: compression.modules[{name!r}] is not {{type, spec}}")
     cls = LAYERS.get(entry.get("type"))  # type: ignore[arg-type]
@@ -1053,14 +1117,13 @@ def check_entry(model: nn.Module, name: str, entry: Any) -> tuple[nn.Module, str
                          "the folder was written by a newer wscompress; upgrade wscompress (pip install -U "
                          "wscompress), or load the folder with trust_remote_code=True to use the code it carries")
     parent, leaf = _slot(model, name, "compression.modules")
-    spec = entry["spec"]
-    wanted = set(inspect.signature(cls.__init__).parameters) - {"self"}
+    spec, arguments = entry["spec"], cls.ARGUMENTS
     for key, value in spec.items():
-        if key not in wanted or not isinstance(value, _ARGUMENTS.get(key, ())) or isinstance(value, bool) and bool not in _ARGUMENTS[key]:
+        if key not in arguments or not arguments[key].accepts(value):
             raise corrupt(f"config.json: {name} ({cls.__name__}) has argument {key}={value!r}, which it does not take")
-        if isinstance(value, int) and not isinstance(value, bool) and not 0 <= value < 2**40:
+        if type(value) is int and not 0 <= value < 2**40:
             raise corrupt(f"config.json: {name} ({cls.__name__}) has {key}={value}, out of range")
-    missing = _missing(cls, spec)
+    missing = {key for key, argument in arguments.items() if argument.required} - set(spec)
     problem = f"arguments {sorted(missing)} are missing" if missing else cls.check_spec(**spec)
     shape, slot = cls.dense_shape(spec), parent._modules[leaf]
     expected = _dense_shape(slot if slot is not None else parent)
@@ -1069,12 +1132,6 @@ def check_entry(model: nn.Module, name: str, entry: Any) -> tuple[nn.Module, str
     if problem:
         raise corrupt(f"config.json: {name} ({cls.__name__}): {problem}")
     return parent, leaf, cls
-
-
-def _missing(cls: type, spec: dict) -> set[str]:
-    """Required constructor arguments of ``cls`` that ``spec`` does not give."""
-    params = inspect.signature(cls.__init__).parameters.values()
-    return {p.name for p in params if p.name != "self" and p.default is inspect.Parameter.empty} - set(spec)
 
 
 def check_aliases(aliases: dict, section: str) -> None:
@@ -1158,9 +1215,9 @@ def check_weight_files(files: list, expected: dict[str, tuple[tuple[int, ...], t
 
 
 def validate(model: nn.Module) -> None:
-    """Check the loaded values every kernel will index with (see ``PalettizedLinear.check_values``)."""
+    """Check the loaded values every kernel will index with (each layer's ``check_values``)."""
     for name, module in model.named_modules():
-        if isinstance(module, PalettizedLinear):
+        if isinstance(module, CompressedLayer):
             module.check_values(name)
 
 
@@ -1174,19 +1231,14 @@ def tie(model: nn.Module, aliases: dict[str, str]) -> None:
 
 
 def settle(model: nn.Module, dtype: torch.dtype | None) -> None:
-    """After transformers loaded the tensors: check them (``validate``), decode the Huffman-coded
-    indices the file held, and bring codebooks, scales and outliers (stored in ``codebook_dtype``,
-    which its loader keeps) to the dtype the model computes in, as ``load_state_dict`` does."""
+    """After the tensors are loaded: check them all (``validate``), then let each compressed layer
+    settle (``CompressedLayer.settle``: decode what the file held coded, bring values stored in a
+    dtype of their own to the one the model computes in, as ``load_state_dict`` does)."""
     validate(model)
+    floating = dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None
     for module in model.modules():
-        if isinstance(module, HalfLinear) and isinstance(dtype, torch.dtype) and dtype.is_floating_point:
-            module.dtype_probe = module.dtype_probe.to(dtype)
-        if isinstance(module, PalettizedLinear):
-            module.decode_stream()
-            if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
-                with torch.no_grad():
-                    for p in module.trainable_parameters():  # exactly the values stored in codebook_dtype
-                        p.data = p.data.to(dtype)
+        if isinstance(module, CompressedLayer):
+            module.settle(floating)
 
 
 def weight_files(folder: str | os.PathLike) -> list[str]:
