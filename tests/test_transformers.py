@@ -1,7 +1,8 @@
 """Compressed folders outside wscompress: stock transformers loads them (``import wscompress``),
 a Python without wscompress loads them (``trust_remote_code``), and no stock load ever gives
 random weights in their place. Every compressed form is loaded three ways and gives the same
-logits as the model that was saved."""
+logits as the model that was saved: ``check_three_loads`` checks one folder, and each form of
+``FORMS`` is compressed when a test first asks for it, so ``-k FORM`` checks that form alone."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import re
 import subprocess
 import sys
 import textwrap
+import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,11 +22,12 @@ from safetensors.torch import load_file, save_file
 import wscompress
 from wscompress.io import storage
 from wscompress.model import modeling_wscompress
+from wscompress.model.modeling_wscompress import CompressedLayer
 
 from conftest import REPO, tiny_model
 
 CALIBRATION = {"dataset": "pydoc", "num_samples": 8, "seq_len": 64, "batch_size": 4}
-# every compressed form: (tiny model, stages)
+# every compressed form: (tiny model, stages); a new form adds its line
 FORMS = {
     "low_rank": ("llama", [{"method": "svd", "ratio": 0.3}]),
     "shared_bases": ("llama", [{"method": "basis_sharing", "ratio": 0.3}]),
@@ -45,6 +49,7 @@ FORMS = {
     "basis_sharing_then_kmeans": ("llama", [{"method": "basis_sharing", "ratio": 0.3}, {"method": "kmeans", "bits": 4}]),
     "gpt2_low_rank_palettized": ("gpt2", [{"method": "svd", "ratio": 0.3}, {"method": "kmeans", "bits": 4, "outliers": 0.01}]),
 }
+STRUCTURAL = ("cross_layer", "merged_layers", "dropped_layers", "gqa", "tied_embeddings")  # no compressed layer type
 INPUT = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
 
 # Runs in a fresh interpreter where importing wscompress fails, as in a virtual environment
@@ -79,11 +84,35 @@ WITHOUT_WSCOMPRESS = textwrap.dedent("""
 """)
 
 
-def run_without_wscompress(script: str, *args: str, tmp_path) -> subprocess.CompletedProcess:
+# The same Python, kept running: it loads each folder named on a line of its stdin and answers
+# with one line, "@logits FILE" or "@error ..." (transformers may print lines of its own)
+SERVE = WITHOUT_WSCOMPRESS.split("folders, ids, out")[0] + textwrap.dedent("""
+    import os, traceback
+
+    ids = load_file(sys.argv[1])["ids"]
+    for n, line in enumerate(sys.stdin):
+        try:
+            model = AutoModelForCausalLM.from_pretrained(json.loads(line), trust_remote_code=True)
+            assert type(model).__module__.startswith("transformers_modules."), type(model).__module__
+            assert not [m for m in sys.modules if m.partition(".")[0] == "wscompress"]
+            with torch.no_grad():
+                save_file({"logits": model(ids).logits.contiguous()}, f"{n}.safetensors")
+            print("@logits", os.path.abspath(f"{n}.safetensors"), flush=True)
+        except Exception:  # noqa: BLE001 - the test that sent the folder reports it
+            print("@error", traceback.format_exc().replace("\\n", " | "), flush=True)
+""")
+
+
+def bare_environment(tmp_path: Path) -> dict[str, str]:
+    """The environment of a Python without wscompress: no PYTHONPATH, its own remote-code cache, offline."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(HF_MODULES_CACHE=str(tmp_path / "hf_modules"), HF_HUB_OFFLINE="1")
-    return subprocess.run([sys.executable, "-c", script, *args], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          stdin=subprocess.DEVNULL, timeout=600)
+    return env
+
+
+def run_without_wscompress(script: str, *args: str, tmp_path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", script, *args], cwd=tmp_path, env=bare_environment(tmp_path),
+                          capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=600)
 
 
 def logits_of(model) -> torch.Tensor:
@@ -91,45 +120,96 @@ def logits_of(model) -> torch.Tensor:
         return model(INPUT).logits
 
 
-@pytest.fixture(scope="module")
-def folders(tmp_path_factory, tokenizer):
-    """Every form compressed and saved once: name -> (folder, the saved model's logits)."""
-    root = tmp_path_factory.mktemp("forms")
-    out = {}
-    for name, (kind, stages) in FORMS.items():
+class RemoteLoads:
+    """Loads through ``trust_remote_code`` in a Python where wscompress cannot be imported
+    (``SERVE``), started on the first folder and kept: its start (seconds) is paid once, however
+    many forms the tests check."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp, self.process = tmp, None
+
+    def logits(self, folder: Path) -> torch.Tensor:
+        if self.process is None:
+            save_file({"ids": INPUT}, self.tmp / "ids.safetensors")
+            self.stderr = open(self.tmp / "stderr.txt", "w")  # a file: a full pipe would stall it
+            self.process = subprocess.Popen([sys.executable, "-c", SERVE, str(self.tmp / "ids.safetensors")],
+                                            cwd=self.tmp, env=bare_environment(self.tmp), stdin=subprocess.PIPE,
+                                            stdout=subprocess.PIPE, stderr=self.stderr, text=True)
+        self.process.stdin.write(json.dumps(str(folder)) + "\n")
+        self.process.stdin.flush()
+        watchdog = threading.Timer(600, self.process.kill)  # a hung load ends the process, and so this read
+        watchdog.start()
+        answer = next((line for line in self.process.stdout if line.startswith("@")), "@ended")
+        watchdog.cancel()
+        kind, _, rest = answer.strip().partition(" ")
+        assert kind == "@logits", f"{folder}: {rest or 'the process ended'}\n{(self.tmp / 'stderr.txt').read_text()[-3000:]}"
+        return load_file(rest)["logits"]
+
+    def close(self) -> None:
+        if self.process is not None:  # every answer is in: its orderly exit (torch's, seconds) adds nothing
+            self.process.kill()
+            self.process.wait()
+            self.stderr.close()
+
+
+class Folders(dict):
+    """form -> (folder, the saved model's logits), each form of ``FORMS`` compressed and saved
+    when a test first asks for it."""
+
+    def __init__(self, root: Path, tokenizer) -> None:
+        super().__init__()
+        self.root, self.tokenizer = root, tokenizer
+
+    def __missing__(self, form: str) -> tuple[Path, torch.Tensor]:
+        kind, stages = FORMS[form]
         model = tiny_model(kind)
-        wscompress.compress(model, stages, tokenizer, CALIBRATION)
-        storage.save(model, tokenizer, root / name)
-        out[name] = (root / name, logits_of(model))
-    return out
+        wscompress.compress(model, stages, self.tokenizer, CALIBRATION)
+        storage.save(model, self.tokenizer, self.root / form)
+        self[form] = self.root / form, logits_of(model)
+        return self[form]
 
 
 @pytest.fixture(scope="module")
-def remote_logits(folders, tmp_path_factory):
-    """The logits of every folder loaded where wscompress cannot be imported."""
-    tmp = tmp_path_factory.mktemp("remote")
-    save_file({"ids": INPUT}, tmp / "ids.safetensors")
-    done = run_without_wscompress(WITHOUT_WSCOMPRESS, json.dumps({n: str(f) for n, (f, _) in folders.items()}),
-                                  str(tmp / "ids.safetensors"), str(tmp / "logits.safetensors"), tmp_path=tmp)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return load_file(tmp / "logits.safetensors")
+def folders(tmp_path_factory, tokenizer) -> Folders:
+    return Folders(tmp_path_factory.mktemp("forms"), tokenizer)
 
 
-@pytest.mark.parametrize("form", sorted(FORMS))
-def test_three_loads_give_the_saved_logits(form, folders, remote_logits):
+@pytest.fixture(scope="module")
+def remote(tmp_path_factory):
+    loads = RemoteLoads(tmp_path_factory.mktemp("remote"))
+    yield loads
+    loads.close()
+
+
+def check_three_loads(folder: Path, saved: torch.Tensor, remote: RemoteLoads) -> torch.nn.Module:
+    """``folder`` loads through ``wscompress.load``, through ``from_pretrained`` after ``import
+    wscompress`` and, where its layers' classes are those of the travelling file, through
+    ``trust_remote_code`` without wscompress, each to the ``saved`` logits; the two in-process
+    loads hold the same tensors and sharing (nothing dense built), each compressed layer the
+    children its class declares. A form defined elsewhere (a test's) does not travel: there
+    trust_remote_code refuses the folder, naming the type (test_crafted_folders). Returns the
+    ``from_pretrained`` model."""
     from transformers import AutoModelForCausalLM
 
-    folder, saved = folders[form]
     ours, _ = wscompress.load(folder, device="cpu")
     stock = AutoModelForCausalLM.from_pretrained(folder)
     assert type(stock).__mro__[1] is modeling_wscompress.WSCompressForCausalLM
-    assert any(type(m).__name__ in modeling_wscompress.LAYERS for m in stock.modules()) or form in (
-        "cross_layer", "merged_layers", "dropped_layers", "gqa", "tied_embeddings")  # structural: no compressed layer type
-    for got in (logits_of(ours), logits_of(stock), remote_logits[form]):
+    for got in (logits_of(ours), logits_of(stock)):
         torch.testing.assert_close(got, saved, rtol=1e-5, atol=1e-5)
-    # compressed layers stay compressed: the same tensors, shared modules shared, nothing dense built
+    layers = [m for m in stock.modules() if isinstance(m, CompressedLayer)]
+    if all(type(m).__module__ == modeling_wscompress.__name__ for m in layers):
+        torch.testing.assert_close(remote.logits(folder), saved, rtol=1e-5, atol=1e-5)
     assert storage.stats(stock) == storage.stats(ours)
     assert modeling_wscompress.module_aliases(stock) == modeling_wscompress.module_aliases(ours)
+    for layer in layers:
+        assert {n for n, _ in layer.named_children()} == set(type(layer).CHILDREN), type(layer).__name__
+    return stock
+
+
+@pytest.mark.parametrize("form", sorted(FORMS))
+def test_three_loads_give_the_saved_logits(form, folders, remote):
+    stock = check_three_loads(*folders[form], remote)
+    assert any(isinstance(m, CompressedLayer) for m in stock.modules()) or form in STRUCTURAL
 
 
 def test_folder_holds_the_compressed_weights_and_its_code(folders):
