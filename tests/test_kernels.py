@@ -23,7 +23,7 @@ CALIB = {"dataset": "pydoc", "num_samples": 4, "seq_len": 32, "batch_size": 2}
 def float_activations(monkeypatch):
     """Decoding multiplies float activations (the tests that compare with the reference path to
     float rounding); the 8-bit path has tests of its own below."""
-    monkeypatch.setattr(kernels, "_q8", {4: False, 8: False})
+    monkeypatch.setattr(kernels, "_q8", {4: False, 6: False, 8: False})
 
 
 def test_kernels_build_where_a_compiler_exists():
@@ -73,6 +73,17 @@ def test_vector_codebooks_equal_the_reference_path(d, bits, group_size, outliers
     with torch.no_grad():
         assert lin.lut_forward(x) is not None
         torch.testing.assert_close(lin(x), F.linear(x, lin.dense_weight(), lin.bias), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(kernels.lut() is None, reason="kernels not built here")
+def test_pairs_of_6_bit_indices_are_held_once():
+    """The 3-bit recipe's layout (pairs of weights, 6-bit indices) is read by the CPU kernels
+    as stored: its kernel layout is the stored tensor itself, not a byte a pair beside it."""
+    lin = layer(6, 8, inp=64, outliers=4, d=2)
+    with torch.no_grad():
+        lin(torch.randn(1, 64))
+    layout = lin.kernel_layout()
+    assert layout.width == 6 and layout.indices.data_ptr() == lin.indices.data_ptr()
 
 
 @pytest.mark.skipif(kernels.lut() is None, reason="kernels not built here")
@@ -528,6 +539,7 @@ import torch.nn.functional as F
 from test_kernels import layer
 from wscompress import kernels
 from wscompress.kernels import lut_triton
+from wscompress.model import modeling_wscompress
 from wscompress.model.modeling_wscompress import DECODE_ROWS
 
 import triton
@@ -549,6 +561,7 @@ except Exception as err:
     sys.exit()
 kernels._triton_path = lambda x: True  # route layers to the Triton kernel on CPU tensors
 kernels._load_triton = lambda: (lut_triton, "interpreted")
+modeling_wscompress.SIX_BIT_PAIRS = ()  # and lay them out as for a GPU
 for bits, group_size, outliers, d, scaled in [(4, 1, 0, 1, False), (4, 16, 5, 1, True), (3, 1, 7, 1, False),
                                               (2, 8, 0, 1, False), (5, 1, 3, 1, False), (8, 4, 0, 1, True),
                                               (6, 48, 0, 1, False), (8, 16, 6, 2, True), (6, 8, 0, 2, False),

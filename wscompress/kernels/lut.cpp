@@ -24,10 +24,27 @@
 
 namespace {
 
-template <int W>  // index width in bits: 4 (two per byte, low nibble first) or 8
+// Index widths in bits: 4 (two per byte, low nibble first), 8, and 6: pairs of the 3-bit recipe
+// read as stored (four in three bytes, least significant bits first, as modeling_wscompress.pack
+// writes them), so its indices are held once, in 3 bits a weight, instead of also as a byte each.
+template <int W>
 inline int64_t index_at(const uint8_t* row, int64_t j) {
   if constexpr (W == 4) return (row[j >> 1] >> ((j & 1) * 4)) & 15;
-  else return row[j];
+  else if constexpr (W == 6) {
+    const uint8_t* p = row + (j >> 2) * 3;
+    return ((p[0] | p[1] << 8 | p[2] << 16) >> ((j & 3) * 6)) & 63;
+  } else return row[j];
+}
+
+// 8 6-bit indices (the low 48 bits of v) as 8 bytes
+inline uint64_t spread6(uint64_t v) {
+#ifdef __BMI2__
+  return _pdep_u64(v, 0x3F3F3F3F3F3F3F3FULL);
+#else
+  uint64_t out = 0;
+  for (int i = 0; i < 8; ++i) out |= ((v >> (6 * i)) & 63) << (8 * i);
+  return out;
+#endif
 }
 
 // The outliers' corrections, CSR by weight row; row_ptr null: none.
@@ -68,10 +85,16 @@ struct Row {
 
   float at(int64_t j) const { return table[index_at<W>(idx, j / D) * D + j % D]; }
 
-  // n / D indices from index q on (n / D <= 16) as bytes, one index a byte, in order
+  // n / D indices from index q on (n / D <= 16; for 6 bits, <= 8 from a multiple of 4) as bytes,
+  // one index a byte, in order
   static inline __m128i index_bytes(const uint8_t* row, int64_t q, int n) {
-    const int count = n / D, bytes = W == 4 ? count / 2 : count;
+    const int count = n / D, bytes = count * W / 8;
     __m128i b = _mm_setzero_si128();
+    if constexpr (W == 6) {
+      uint64_t v = 0;
+      std::memcpy(&v, row + q / 4 * 3, bytes);
+      return _mm_cvtsi64_si128(static_cast<int64_t>(spread6(v)));
+    }
     std::memcpy(&b, row + (W == 4 ? q >> 1 : q), bytes);
     if constexpr (W == 4) {
       __m128i mask = _mm_set1_epi8(0x0F);
@@ -285,7 +308,8 @@ torch::Tensor run(const torch::Tensor& x, const torch::Tensor& idx, const torch:
 // the sums in one instruction. On AVX2 nibble tables take VPSHUFB and VPMADDUBSW; there byte
 // indices keep the float path, which was faster than a gather or 16 loads a block. Layouts:
 // scalar nibble tables (width 4, D 1), and on AVX-512 byte indices of single weights (5-8-bit
-// scalar tables) and of pairs (the 3- and 4-bit recipes); rows of a multiple of 32 weights.
+// scalar tables) and of pairs (the 3- and 4-bit recipes; the 3-bit one's 6-bit indices spread
+// to bytes by a byte permute and VPMULTISHIFTQB); rows of a multiple of 32 weights.
 constexpr int QBLOCK = 32;  // weights an activation scale covers
 
 #if defined(__AVX512BW__) && defined(__AVX512VBMI__) && defined(__AVX512VNNI__)
@@ -372,14 +396,14 @@ inline void q8_store(float sum, Sparse sp, const float* x, float* y, int64_t r) 
 // 128-bit lane of hi[0] and lo[0].
 template <int W, int D>
 struct Q8Table {
-  __m512i hi[W == 8 ? 4 * D : 1], lo[W == 8 ? 4 : 1];
+  __m512i hi[W != 4 ? 4 * D : 1], lo[W != 4 ? 4 : 1];
   float scale;
 
   // q: the group's hi bytes (component-major, D x 256 or 16 for nibbles), then its lo bytes (256, or 16)
   void load(const int8_t* q, float scale_) {
     scale = scale_;
     const __m512i offset = _mm512_set1_epi8(static_cast<char>(0x80));
-    if constexpr (W == 8) {
+    if constexpr (W != 4) {
       for (int i = 0; i < 4 * D; ++i) hi[i] = _mm512_xor_si512(_mm512_loadu_si512(q + 64 * i), offset);
       for (int i = 0; i < 4; ++i) lo[i] = _mm512_loadu_si512(q + 256 * D + 64 * i);
     } else {
@@ -388,11 +412,25 @@ struct Q8Table {
     }
   }
 
-  // the hi and lo bytes of the components of 64 index bytes (n of them real, the rest read as 0):
-  // two components for nibbles (weights 2q, 2q + 1) and pairs, one for single weights by byte
+  // the hi and lo bytes of the components of 64 index bytes (n of them real, the rest read as 0;
+  // 6-bit indices: 64 indices from 48 bytes, n of them real): two components for nibbles
+  // (weights 2q, 2q + 1) and pairs, one for single weights by byte
   inline void decode(const uint8_t* p, int64_t n, __m512i (&h)[2], __m512i (&l)[2]) const {
-    const __m512i id = n >= 64 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi8((1ULL << n) - 1, p);
-    if constexpr (W == 8) {
+    __m512i id;
+    if constexpr (W == 6) {  // bytes 6k .. 6k + 5 to quadword k, then each index's 6 bits to a byte of its own
+      alignas(64) static constexpr uint8_t gather[64] = {
+          0, 1, 2, 3, 4, 5, 0, 0, 6, 7, 8, 9, 10, 11, 0, 0, 12, 13, 14, 15, 16, 17, 0, 0,
+          18, 19, 20, 21, 22, 23, 0, 0, 24, 25, 26, 27, 28, 29, 0, 0, 30, 31, 32, 33, 34, 35, 0, 0,
+          36, 37, 38, 39, 40, 41, 0, 0, 42, 43, 44, 45, 46, 47, 0, 0};
+      const int64_t bytes = n >= 64 ? 48 : (n * 6 + 7) / 8;
+      const __m512i packed = _mm512_maskz_loadu_epi8((1ULL << bytes) - 1, p);
+      const __m512i words = _mm512_permutexvar_epi8(_mm512_load_si512(gather), packed);
+      const __m512i shifts = _mm512_set1_epi64(0x2A241E18120C0600LL);  // bit offsets 0, 6, .., 42
+      id = _mm512_and_si512(_mm512_multishift_epi64_epi8(shifts, words), _mm512_set1_epi8(63));
+    } else {
+      id = n >= 64 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi8((1ULL << n) - 1, p);
+    }
+    if constexpr (W != 4) {
       const __mmask64 high = _mm512_movepi8_mask(id);  // index >= 128
       auto look = [&](const __m512i* t) {
         return _mm512_mask_blend_epi8(high, _mm512_permutex2var_epi8(t[0], id, t[1]), _mm512_permutex2var_epi8(t[2], id, t[3]));
@@ -420,7 +458,9 @@ inline void q8_block(const Q8Table<W, D>& tab, const Q8X& x, const uint8_t* idx,
   for (int i = 0; i < N; ++i)
     for (int m = 0; m < M; ++m) acc[i][m] = _mm512_setzero_ps();
   constexpr int C = natural ? 1 : 2;  // components a byte
-  for (int64_t q = 0; q < row_bytes; q += 64) {
+  const int64_t units = W == 6 ? row_bytes / 3 * 4 : row_bytes;  // index bytes a row as decoded (6 bits: one a byte)
+  for (int64_t q = 0; q < units; q += 64) {
+    const int64_t at = W == 6 ? q / 4 * 3 : q;  // where they are stored
     __m512i xs[M][2][C], off[M];  // term, component
     __m512 sc[M];
     for (int m = 0; m < M; ++m) {
@@ -431,8 +471,8 @@ inline void q8_block(const Q8Table<W, D>& tab, const Q8X& x, const uint8_t* idx,
     }
     for (int i = 0; i < N; ++i) {
       __m512i h[2], l[2];
-      tab.decode(idx + (r + i) * row_bytes + q, row_bytes - q, h, l);
-      prefetch(idx + (r + i + N) * row_bytes + q);
+      tab.decode(idx + (r + i) * row_bytes + at, units - q, h, l);
+      prefetch(idx + (r + i + N) * row_bytes + at);
       for (int m = 0; m < M; ++m) {
         auto dot = [&](const __m512i (&w)[2], int t) {  // the components' sums against term t
           __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], xs[m][t][0]);
@@ -513,7 +553,7 @@ inline void q8_block(const Q8Table<W, D>& tab, const Q8X& x, const uint8_t* idx,
 template <int W, int D, int M, int R>
 void q8_rows(const Q8X& x, const float* xf, const uint8_t* idx, const int8_t* tables, const float* scales, int64_t gs,
              int64_t in, int64_t out, Sparse sp, float* y, int64_t r0, int64_t r1) {
-  constexpr int64_t size = W == 8 ? 256 * D + 256 : 32;  // a group's table: hi and lo bytes
+  constexpr int64_t size = W != 4 ? 256 * D + 256 : 32;  // a group's table: hi and lo bytes
   const int64_t row_bytes = in * W / 8 / D;
   Q8Table<W, D> tab;
   int64_t loaded = -1;
@@ -565,6 +605,7 @@ auto dispatch(int64_t width, int64_t d, A&&... a) {
     if (d == 2) return F<4, 2>{}(a...);
     return F<4, 4>{}(a...);
   }
+  if (width == 6) return F<6, 2>{}(a...);  // pairs only (vector_length checks)
   if (d == 1) return F<8, 1>{}(a...);
   if (d == 2) return F<8, 2>{}(a...);
   return F<8, 4>{}(a...);
@@ -633,19 +674,21 @@ int64_t vector_length(const torch::Tensor& tables, int64_t width, int64_t group_
                       const torch::Tensor& idx) {
   TORCH_CHECK(tables.is_contiguous(), "tables: contiguous");
   TORCH_CHECK(idx.scalar_type() == torch::kUInt8 && idx.is_contiguous(), "idx: contiguous uint8");
-  TORCH_CHECK(width == 4 || width == 8, "width must be 4 or 8");
+  TORCH_CHECK(width == 4 || width == 6 || width == 8, "width must be 4, 6 or 8");
   const int64_t d = tables.dim() == 3 ? tables.size(2) : 1;
   TORCH_CHECK(tables.dim() == 2 || tables.dim() == 3, "tables: (groups, k) or (groups, k, D)");
   TORCH_CHECK(d == 1 || d == 2 || d == 4, "vector length D must be 1, 2 or 4");
-  TORCH_CHECK(width == 8 || tables.size(1) == 16, "width 4 reads tables of 16 entries (pad them)");
-  TORCH_CHECK(in % d == 0 && (width == 8 || in / d % 2 == 0), "a row's indices must fill whole bytes");
-  TORCH_CHECK(idx.numel() * (width == 4 ? 2 : 1) == out * in / d, "idx size does not match (out, in / D)");
+  TORCH_CHECK(width != 4 || tables.size(1) == 16, "width 4 reads tables of 16 entries (pad them)");
+  TORCH_CHECK(width != 6 || d == 2, "width 6 holds pairs only (D 2)");
+  TORCH_CHECK(in % d == 0 && in / d * width % 8 == 0 && (width != 6 || in / d % 4 == 0),
+              "a row's indices must fill whole bytes (6 bits: four in three)");
+  TORCH_CHECK(idx.numel() * 8 == out * in / d * width, "idx size does not match (out, in / D)");
   TORCH_CHECK(group_size > 0 && out % group_size == 0 && tables.size(0) == out / group_size,
               "tables: one per group of group_size rows");
   return d;
 }
 
-// x (batch, in) float32; idx (out * in / D / 2 or out * in / D) uint8; tables (groups, k) or
+// x (batch, in) float32; idx (out * in / D * width / 8) uint8; tables (groups, k) or
 // (groups, k, D) float32, k = 16 for width 4 (padded), 2^bits for width 8; row_ptr (out + 1)
 // int64, col int32, delta float32: the outliers' corrections (row_ptr empty: none).
 // Returns x @ W^T (batch, out).
@@ -660,7 +703,7 @@ torch::Tensor lut_linear(torch::Tensor x, torch::Tensor idx, torch::Tensor table
 // Whether this build multiplies 8-bit activations for tables of this index width (lut_linear_q8).
 bool lut_q8(int64_t width) {
 #ifdef WSCOMPRESS_Q8_512
-  return width == 4 || width == 8;
+  return width == 4 || width == 6 || width == 8;
 #elif defined(WSCOMPRESS_Q8)
   return width == 4;
 #else
@@ -683,14 +726,16 @@ torch::Tensor lut_linear_q8(torch::Tensor x, torch::Tensor idx, torch::Tensor ta
   TORCH_CHECK(scales.scalar_type() == torch::kFloat && scales.is_contiguous() && scales.numel() == out / group_size,
               "scales: contiguous float32, one per group");
   const int64_t per_group = tables.numel() / std::max<int64_t>(out / group_size, 1);
-  const int64_t d = width == 8 ? per_group / 256 - 1 : 1;
+  const int64_t d = width != 4 ? per_group / 256 - 1 : 1;
   TORCH_CHECK(tables.scalar_type() == torch::kChar && tables.is_contiguous() &&
-                  tables.numel() == out / group_size * per_group && (width == 4 ? per_group == 32 : per_group % 256 == 0 && (d == 1 || d == 2)),
-              "tables: contiguous int8, (groups, 32) for width 4, (groups, (D + 1) x 256) with D 1 or 2 for width 8");
+                  tables.numel() == out / group_size * per_group && (width == 4 ? per_group == 32 : per_group % 256 == 0 && (d == 1 || d == 2)) &&
+                  (width != 6 || d == 2 && in / 2 % 4 == 0),
+              "tables: contiguous int8, (groups, 32) for width 4, (groups, (D + 1) x 256) with D 1 or 2 for width 8, 2 for width 6");
   TORCH_CHECK(idx.scalar_type() == torch::kUInt8 && idx.is_contiguous() && idx.numel() * 8 * d == out * in * width,
               "idx: contiguous uint8, one index per ", d, " weights");
   const Sparse sp = sparse(row_ptr, col, delta, out);
 #ifdef WSCOMPRESS_Q8_512
+  if (width == 6) return run_q8<6, 2>(x, idx, tables, scales, group_size, out, sp);
   if (width == 8) return d == 1 ? run_q8<8, 1>(x, idx, tables, scales, group_size, out, sp)
                                 : run_q8<8, 2>(x, idx, tables, scales, group_size, out, sp);
 #endif
@@ -714,6 +759,7 @@ torch::Tensor lut_dense_i8(torch::Tensor idx, torch::Tensor tables, int64_t widt
                            int64_t in) {
   TORCH_CHECK(tables.scalar_type() == torch::kChar && tables.is_contiguous(), "tables: contiguous int8");
   const int64_t d = vector_length(tables, width, group_size, out, in, idx);
+  if (width == 6) return DenseI8<6, 2>{}(idx, tables, group_size, out, in);
   if (width == 4) return d == 1 ? DenseI8<4, 1>{}(idx, tables, group_size, out, in)
                        : d == 2 ? DenseI8<4, 2>{}(idx, tables, group_size, out, in)
                                 : DenseI8<4, 4>{}(idx, tables, group_size, out, in);
