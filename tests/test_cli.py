@@ -235,7 +235,8 @@ def test_run_writes_a_model_card_with_the_measured_figures(tmp_path, tiny_dir):
     assert yaml.safe_load(meta)["tags"] == ["wscompress", "svd"] and yaml.safe_load(meta)["library_name"] == "transformers"
     compress = json.loads((tmp_path / "out" / "reports" / "compress.json").read_text())
     evaluation = json.loads((tmp_path / "out" / "reports" / "eval.json").read_text())
-    assert f"| compressed | {compress['compressed']['params']} |" in body  # size before and after
+    size = f"| compressed | {compress['compressed']['tensor_bytes'] / 2**20:.1f} |"  # size before and after, bytes first
+    assert "| model | tensor MB | file MB | bits a weight | parameters |" in body and size in body, body
     import transformers
 
     import wscompress  # which versions wrote it, and how to get wscompress (no index page that does not exist)

@@ -28,6 +28,26 @@ def logits(model, seed=0):
         return model(x).logits
 
 
+def test_sizes_count_bytes_and_dense_equivalent_parameters():
+    """Sizes lead with bytes and bits a weight; parameters are the dense-equivalent count: a
+    palettized weight counts as one parameter (its bits fall, not its count), a float16 one
+    too, while a factorisation counts its factors, and the tied table once."""
+    from wscompress import compress
+
+    model = tiny_model("llama")
+    dense = storage.stats(model)
+    assert dense["bits_per_weight"] == 32 and dense["tensor_bytes"] == 4 * dense["params"]
+    compress(model, [{"method": "kmeans", "bits": 4, "sensitivity": "none", "error_feedback": False, "refit": False,
+                      "outliers": 0, "targets": ["mlp"]}, {"method": "half"}])
+    packed = storage.stats(model)
+    assert packed["params"] == dense["params"]  # every weight is still there, in fewer bits
+    assert packed["tensor_bytes"] < dense["tensor_bytes"] / 2 and 4 < packed["bits_per_weight"] < 16
+    model = tiny_model("llama")
+    compress(model, [{"method": "svd", "ratio": 0.4, "whitening": False, "targets": ["mlp"]}])
+    factored = storage.stats(model)
+    assert factored["params"] < dense["params"] and factored["bits_per_weight"] == 32
+
+
 def test_shared_modules_stored_once_and_retied(tmp_path, tokenizer):
     model = share_ffn(tiny_model("llama"))
     unique = storage.stats(model)["params"]

@@ -162,16 +162,20 @@ def apply_stages(model: nn.Module, tokenizer, recipe: Recipe, workdir: str | Pat
     offload = offload_of(model)
     for i, stage in enumerate(recipe.compress):
         check_offload(i, stage.method, offload.mode)
-        before = storage.stats(model)["params"]
+        before = storage.stats(model)
         start = time.perf_counter()
         with torch.no_grad():  # compression builds no graphs (a stage that needs gradients enables them itself)
             result = METHODS[stage.method].apply(model, stage, ctx)
         storage.mark_trainable(model, result.get("trains", []))
         ctx.stages_done += 1
-        rows.append({"stage": i, "method": stage.method, "params_before": before,
-                     "params_after": storage.stats(model)["params"], "seconds": round(time.perf_counter() - start, 2),
-                     "calibration": ctx.describe(), **result})
-        ui.log(f"stage {i} {stage.method}: {rows[-1]['params_before']:,} -> {rows[-1]['params_after']:,} parameters")
+        after = storage.stats(model)
+        rows.append({"stage": i, "method": stage.method, "bytes_before": before["tensor_bytes"],
+                     "bytes_after": after["tensor_bytes"], "bits_per_weight": round(after["bits_per_weight"], 3),
+                     "params_before": before["params"], "params_after": after["params"],
+                     "seconds": round(time.perf_counter() - start, 2), "calibration": ctx.describe(), **result})
+        ui.log(f"stage {i} {stage.method}: {before['tensor_bytes'] / 2**20:,.1f} -> {after['tensor_bytes'] / 2**20:,.1f} MB "
+               f"({before['bits_per_weight']:.2f} -> {after['bits_per_weight']:.2f} bits a weight; "
+               f"{before['params']:,} -> {after['params']:,} parameters)")
     if savable(model):
         adopt(model)  # a compressed model: its own save_pretrained writes a folder transformers loads back
     return rows
@@ -227,6 +231,7 @@ def step_compress(recipe: Recipe) -> dict:
     rows = apply_stages(model, tokenizer, recipe, recipe.out)
     saved = storage.save(model, tokenizer, model_path(recipe), recipe.output.max_shard_size)
     out = {"model": str(model_path(recipe)), "original": original, "compressed": saved,
+           "size_ratio": saved["tensor_bytes"] / original["tensor_bytes"],
            "param_ratio": saved["params"] / original["params"], "stages": rows,
            "peak_memory_mb": round(report.peak_memory_mb(), 1)}
     report.write(recipe.out, "compress", out, recipe_dict(recipe))

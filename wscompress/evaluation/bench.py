@@ -110,7 +110,7 @@ def measure(model_cfg: ModelConfig, cfg: BenchConfig, quiet: bool = False) -> di
             and not offload_of(model).moves else None
     peak = peak_memory_mb(model_device(model))
     stats, file_bytes = storage.stats(model), weight_files_bytes(model_cfg)
-    return {"params": stats["params"], "weights_mb": stats["tensor_bytes"] / 2**20,
+    return {"weights_mb": stats["tensor_bytes"] / 2**20, "bits_per_weight": stats["bits_per_weight"], "params": stats["params"],
             "resident_mb": storage.resident_bytes(model) / 2**20, "kernel": kernel_path(model),
             "file_mb": None if file_bytes is None else file_bytes / 2**20, "load_s": load_s, "peak_memory_mb": peak,
             "device": str(model_device(model)), "offload": model_cfg.offload, "breakdown": parts,
@@ -146,7 +146,8 @@ def kernel_path(model: nn.Module) -> str:
 
 def comparison_rows(results: dict[str, dict]) -> list[dict]:
     """One row per measure, one column per model, plus compressed/original when both exist."""
-    measures = [("params", "params"), ("weights MB", "weights_mb"), ("resident weights MB", "resident_mb"),
+    measures = [("weights MB", "weights_mb"), ("bits a weight", "bits_per_weight"), ("params", "params"),
+                ("resident weights MB", "resident_mb"),
                 ("file MB", "file_mb"), ("load s", "load_s"),
                 ("peak memory MB", "peak_memory_mb")]
     rows = [{"measure": label, **{m: r[key] for m, r in results.items()}} for label, key in measures]

@@ -52,8 +52,9 @@ def run_row(run: Path) -> dict:
                  "finetuned": _read(run, "finetune") is not None}
     if compress is not None:
         original, compressed = compress["original"], compress["compressed"]
-        row.update(params=compressed["params"], param_ratio=compressed["params"] / original["params"],
-                   size_reduction=1 - compressed["tensor_bytes"] / original["tensor_bytes"], file_mb=compressed["file_bytes"] / 2**20)
+        row.update(file_mb=compressed["file_bytes"] / 2**20, bits_per_weight=compressed.get("bits_per_weight"),
+                   size_reduction=1 - compressed["tensor_bytes"] / original["tensor_bytes"],
+                   params=compressed["params"], param_ratio=compressed["params"] / original["params"])
     else:
         row.update(params=evaluation["results"][0]["params"], param_ratio=1.0, size_reduction=0.0)
     label = "compressed" if any(r["model"] == "compressed" for r in evaluation["results"]) else "model"

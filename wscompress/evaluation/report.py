@@ -106,6 +106,17 @@ def write(out_dir: str | Path, name: str, payload: dict, recipe: dict | None = N
 CARD = "README.md"
 
 
+def size_table(compress: dict) -> str:
+    """A compress report's sizes, bytes first: MB and bits a weight, then the parameters."""
+    rows = []
+    for label in ("original", "compressed"):
+        s = compress[label]
+        rows.append({"model": label, "tensor MB": round(s["tensor_bytes"] / 2**20, 1),
+                     "file MB": round(s["file_bytes"] / 2**20, 1) if "file_bytes" in s else "-",
+                     "bits a weight": round(s["bits_per_weight"], 3), "parameters": s["params"]})
+    return markdown_table(rows)
+
+
 def _fresh(report: Path, model: Path) -> bool:
     """Whether a report describes the model folder as it is (written after it)."""
     return report.stat().st_mtime >= (model / "config.json").stat().st_mtime
@@ -146,15 +157,14 @@ def model_card(out_dir: str | Path) -> str | None:
              'tokenizer = AutoTokenizer.from_pretrained("PATH")', "```", "",
              "Without wscompress installed: `AutoModelForCausalLM.from_pretrained(PATH, trust_remote_code=True)` runs "
              "the torch code in `modeling_wscompress.py` (same logits, no compiled kernels).", "",
-             "## Size", "", markdown_table([
-                 {"model": "original", "parameters": compress["original"]["params"],
-                  "tensor MB": round(compress["original"]["tensor_bytes"] / 2**20, 1)},
-                 {"model": "compressed", "parameters": compress["compressed"]["params"],
-                  "tensor MB": round(compress["compressed"]["tensor_bytes"] / 2**20, 1),
-                  "file MB": round(compress["compressed"]["file_bytes"] / 2**20, 1)}]), "",
-             f"{compress['param_ratio']:.1%} of the original parameters.", "",
-             "## Methods", "", markdown_table([{"stage": s["stage"], "method": s["method"], "parameters before": s["params_before"],
-                                                "after": s["params_after"], "seconds": s["seconds"]} for s in compress["stages"]]), "",
+             "## Size", "", size_table(compress), "",
+             f"{compress['size_ratio']:.1%} of the original's bytes ({compress['compressed']['bits_per_weight']:.2f} bits "
+             f"a weight). Parameters are the dense-equivalent count: a palettized weight counts as one.", "",
+             "## Methods", "", markdown_table([{"stage": s["stage"], "method": s["method"],
+                                                "MB after": round(s["bytes_after"] / 2**20, 1),
+                                                "bits a weight after": s["bits_per_weight"],
+                                                "parameters after": s["params_after"], "seconds": s["seconds"]}
+                                               for s in compress["stages"]]), "",
              "Every option of each stage (the recipe as run):", "", "```json",
              json.dumps(recipe["compress"], indent=1), "```", ""]
     lines += [picture for stage in compress["stages"] if (picture := bits_picture(stage))]

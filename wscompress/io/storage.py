@@ -27,6 +27,7 @@ from ..errors import UsageError
 from ..model.arch import get_module, set_module
 from ..model import modeling_wscompress
 from ..model.modeling_wscompress import (
+    CompressedLayer,
     LAYERS,
     SHARD_INDEX,
     VARIANT,
@@ -98,10 +99,25 @@ def unique_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str,
 
 
 def stats(model: nn.Module) -> dict:
-    """Unique parameter count and bytes of what ``save`` writes (each shared tensor once)."""
+    """The size of what ``save`` writes (each shared tensor once): its bytes, its parameters
+    and bits a parameter. Parameters are the dense-equivalent count: a compressed layer's
+    tensors count their values, except where it packs each weight of its dense module into
+    fewer bits (``parameter_count``: palettized forms), which counts those weights; elsewhere
+    the floating-point values (not a model's integer buffers)."""
     tensors, _ = unique_tensors(model)
-    params = sum(t.numel() for t in tensors.values() if t.is_floating_point())
-    return {"params": params, "tensor_bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, CompressedLayer)}
+    params, packed = 0, {}
+    for name, t in tensors.items():
+        parts = name.split(".")[:-1]
+        owner = next((p for p in (".".join(parts[:i]) for i in range(len(parts), 0, -1)) if p in layers), None)
+        count = layers[owner].parameter_count() if owner is not None else None
+        if count is not None:
+            packed[owner] = count  # once a layer, whichever of its tensors comes
+        elif owner is not None or t.is_floating_point():
+            params += t.numel()
+    params += sum(packed.values())
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    return {"tensor_bytes": nbytes, "bits_per_weight": 8 * nbytes / max(params, 1), "params": params}
 
 
 def resident_bytes(model: nn.Module) -> int:

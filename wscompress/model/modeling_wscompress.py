@@ -211,9 +211,14 @@ class SparseRows(NamedTuple):
         return cls(row_ptr, (pos % shape[1]).to(torch.int32), delta[order].float().contiguous())
 
 
+# devices whose kernels read pairs' 6-bit indices (the 3-bit recipe) as stored, so that they are
+# held once, in 3 bits a weight; elsewhere (Triton) the layout spreads them to a byte each
+SIX_BIT_PAIRS = ("cpu",)
+
+
 class KernelLayout(NamedTuple):
     """A palettized layer as the look-up-table kernels read it (``PalettizedLinear.kernel_layout``)."""
-    indices: torch.Tensor  # uint8: nibbles (``width`` 4) or bytes (8)
+    indices: torch.Tensor  # uint8: nibbles (``width`` 4), bytes (8), or pairs' 6-bit indices as stored (6, CPU)
     width: int
     outliers: SparseRows | None
     tables: torch.Tensor  # (groups, K) or (groups, K, d), float
@@ -318,6 +323,13 @@ class CompressedLayer:
     def spec(self) -> dict:
         """Constructor keyword arguments that rebuild this module's structure (not its values)."""
         raise NotImplementedError
+
+    def parameter_count(self) -> int | None:
+        """The parameters this layer counts as in size reports, where they are not the values
+        of its tensors: a form that packs every weight of its dense module into fewer bits
+        counts those weights (bits a weight then divide its bytes by them). None: its tensors'
+        values are its parameters (factors, int8 weights, float16 ones)."""
+        return None
 
     def check_values(self, where: str) -> None:
         """Refuse loaded tensors that would make this layer read out of range (``where``: its name),
@@ -727,15 +739,15 @@ class PalettizedLinear(CompressedLinear):
         return y if self.bias is None else y + self.bias
 
     def kernel_layout(self) -> KernelLayout | None:
-        """(indices as the LUT kernel reads them, their width, the outliers' corrections by row,
-        the tables), prepared once and kept while indices, codebook and outliers stay the same:
-        the stored bytes themselves at 4 and 8 bits, re-packed as nibbles (1-3 bits) or bytes
-        (5-7 bits) otherwise; tables (groups, K) for scalar codebooks, (groups, K, d) for vectors
-        of d = 2 or 4, of fewer than 16 entries padded to 16 for nibbles (once, not per call: on a
-        GPU each call's pad was one more kernel launch); for scalar tables and byte-indexed pairs
-        on rows of a multiple of 32 weights, the tables rounded for the 8-bit kernels too
-        (``round_tables``). None where a row's indices do not fill whole bytes or the vectors
-        are longer."""
+        """(indices as the LUT kernel reads them, their width, the outliers' corrections by row, the
+        tables), prepared once and kept while indices, codebook and outliers stay the same: the
+        stored bytes themselves at 4 and 8 bits and, on a CPU, for pairs of 6-bit indices (width 6),
+        re-packed as nibbles (1-3 bits) or bytes (5-7 bits) otherwise; tables (groups, K) for scalar
+        codebooks, (groups, K, d) for vectors of d = 2 or 4, of fewer than 16 entries padded to 16
+        for nibbles (once, not per call: on a GPU each call's pad was one more kernel launch); for
+        scalar tables and byte-indexed pairs on rows of a multiple of 32 weights, the tables rounded
+        for the 8-bit kernels too (``round_tables``). None where a row's indices do not fill whole
+        bytes or the vectors are longer."""
         d, cols = self.cluster_dim, self.in_features // self.cluster_dim
         if d not in (1, 2, 4) or cols % 2:
             return None
@@ -750,8 +762,10 @@ class PalettizedLinear(CompressedLinear):
                                                           params.get("scale")) if t is not None]
         if getattr(self, "_layout_key", None) != key:
             idx = self.index_matrix()
-            width = 4 if self.bits <= 4 else 8
-            layout = self.indices if self.bits in (4, 8) else pack(idx, 4) if width == 4 else idx.to(torch.uint8).flatten()
+            stored = self.bits in (4, 8) or (self.bits == 6 and d == 2 and cols % 4 == 0
+                                             and self.indices.device.type in SIX_BIT_PAIRS)
+            width = self.bits if stored else 4 if self.bits <= 4 else 8
+            layout = self.indices if stored else pack(idx, 4) if width == 4 else idx.to(torch.uint8).flatten()
             sparse = None
             if self.outliers:  # the exact weights kept aside: their difference to the codebook value
                 pos = self.outlier_index.long()
@@ -762,7 +776,7 @@ class PalettizedLinear(CompressedLinear):
             tables = self.codebook[..., 0] if d == 1 else self.codebook
             if width == 4 and tables.shape[1] < 16:
                 tables = F.pad(tables, (0, 0) * (d > 1) + (0, 16 - tables.shape[1]))
-            rounded = (round_tables(tables, width) if (width, d) in ((4, 1), (8, 1), (8, 2)) and self.in_features % 32 == 0
+            rounded = (round_tables(tables, width) if (width, d) in ((4, 1), (8, 1), (6, 2), (8, 2)) and self.in_features % 32 == 0
                        and tables.device.type == "cpu" else None)  # only the CPU's 8-bit kernels read them
             self._layout, self._layout_key = KernelLayout(layout, width, sparse, tables.detach().contiguous(), rounded), key
         return self._layout
@@ -784,6 +798,9 @@ class PalettizedLinear(CompressedLinear):
         kept aside (as SpQR and PV-tuning do), and the row scales: all are stored as values, so
         training is free in size."""
         return [p for name in self.VALUES if (p := getattr(self, name, None)) is not None]
+
+    def parameter_count(self) -> int:
+        return self.out_features * self.in_features + (self.out_features if self.bias is not None else 0)
 
     def storage_bits(self) -> int:
         """Bits this layer's indices, codebook, scales and outliers take on disk (what is saved)."""
