@@ -348,7 +348,7 @@ def measured_rows(out_features: int, layouts: list[KMeansConfig]) -> torch.Tenso
     sizes), where a matrix has at least 2 x ``MEASURE_EVERY`` blocks; None (all of them) on
     smaller matrices, where a block or two would stand for too few rows (on SmolLM2 the sampled
     cost stays within 15 % of the whole matrix's on 9-24 blocks and a rank correlation of 0.99,
-    docs/clustering.md). The error is a sum over rows, so the sample's, scaled up, estimates it."""
+    docs/budget.md). The error is a sum over rows, so the sample's, scaled up, estimates it."""
     unit = math.lcm(*(group_size_of(cfg, out_features) for cfg in layouts if cfg.granularity != "per_tensor"))
     blocks = out_features // unit
     if blocks < 2 * MEASURE_EVERY:
