@@ -12,7 +12,7 @@ export TOKENIZERS_PARALLELISM ?= false
 TEST_WORKERS ?= 2
 PYTEST      := $(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
-.PHONY: install demo test test-fast test-cross-build test-bf16 test-compat bench small-tables paper-tables clean
+.PHONY: install demo test test-fast test-cross-build test-scripts test-bf16 test-compat bench small-tables paper-tables clean
 
 install: $(STAMP)
 
@@ -30,16 +30,22 @@ demo: install
 	$(VENV)/bin/wscompress run configs/demo.yaml
 
 test: install
-	$(PYTEST) -m "not cross_build and not kernel_build" --durations=10
+	$(PYTEST) -m "not cross_build and not kernel_build and not scripts" --durations=10
 
 test-fast: install
-	$(PYTEST) -m "not slow and not cross_build and not kernel_build"
+	$(PYTEST) -m "not slow and not cross_build and not kernel_build and not scripts"
 
 # the tests that compile kernels from scratch: another CPU's build compiled and tested on this one
 # (the AVX2 build on an AVX-512 machine: ~2 minutes, which kept `make test` over 10) and a build
 # killed midway, then rebuilt (~1 minute); .ci/run calls it after `make test`
 test-cross-build: install
 	$(PY) -m pytest -q -m "cross_build or kernel_build" tests/test_kernels.py
+
+# every benchmark of scripts/ run by its --dry-run (toy sizes, seconds each), so none rots between
+# uses: they kept `make test` over 10 minutes; .ci/run calls it after `make test`. The tests share no
+# fixtures, so they are spread one by one over the test processes, not file by file
+test-scripts: install
+	$(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist load) -m scripts --durations=0
 
 # Folders written today load with the oldest transformers pyproject.toml claims and the newest in
 # the registry: one small virtual environment per bound holding transformers (and what it pins)
@@ -64,7 +70,7 @@ test-compat: $(COMPAT)/oldest/.installed $(COMPAT)/newest/.installed
 
 # the suite as a CPU with native bfloat16 runs it (calibration passes in bfloat16), emulated on any CPU
 test-bf16: install
-	WSCOMPRESS_TEST_BF16=1 $(PYTEST) -m "not slow and not cross_build and not kernel_build"
+	WSCOMPRESS_TEST_BF16=1 $(PYTEST) -m "not slow and not cross_build and not kernel_build and not scripts"
 
 # Paper tables: every recipe of a set at every ratio, one run folder each, then one merged table
 # and plot (wscompress report). Calibration statistics are collected once per set and copied into

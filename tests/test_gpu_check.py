@@ -2,21 +2,17 @@
 with tiny shapes, so the script a lent GPU session runs has not rotted in between."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
+
+import pytest
+from bench_scripts import run_script
 
 from wscompress import kernels
 
-REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.scripts
 
 
 def test_gpu_check_dry_run(tmp_path):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
-    done = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_check.py"), "--dry-run", "--out", str(tmp_path)],
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_script("gpu_check.py", "--dry-run", "--out", str(tmp_path))
     results = json.loads((tmp_path / "gpu_check.json").read_text())
     products, eager, decode, pipeline = (results[part] for part in ("products", "eager", "decode", "pipeline"))
     assert {r["model"] for r in products} >= {"dense", "kmeans 4-bit per channel",

@@ -3,26 +3,20 @@ time are written with the shape's keys, tensor shapes and types, and wscompress'
 and timed, without npm or llama.cpp (the benchmark itself needs them)."""
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-from bench_scripts import script_env
+from bench_scripts import run_script
 
 gguf = pytest.importorskip("gguf")
+pytestmark = pytest.mark.scripts
 
-REPO = Path(__file__).resolve().parents[1]
 HIDDEN, FFN, LAYERS, HEADS, KV, HEAD_DIM = 128, 256, 2, 4, 2, 32  # the dry run's toy size (peers_llamacpp.TINY)
 
 
 def test_peers_llamacpp_dry_run_tinyllama(tmp_path):
     # two of the models (every layout's building is the benchmark runtime's own, tested there): the suite's time
     models = ["dense", "configs/kmeans_4bit.yaml layout + float16 tied embedding/head"]
-    done = subprocess.run([sys.executable, str(REPO / "scripts" / "peers_llamacpp.py"), "--shape", "tinyllama", "--dry-run",
-                           "--out", str(tmp_path), "--models", *models], cwd=REPO, env=script_env(),
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_script("peers_llamacpp.py", "--shape", "tinyllama", "--dry-run", "--out", str(tmp_path), "--models", *models)
     results = json.loads((tmp_path / "results-tinyllama.json").read_text())
     assert results["shape"] == "tinyllama" and results["dry_run"] and results["cpu"]
     assert results["rows"] and all(r["engine, model"].startswith("wscompress ") for r in results["rows"])  # no llama.cpp
