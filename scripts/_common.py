@@ -16,7 +16,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 # the dry runs' model: LLaMA-shaped, every shipped layout fits it (k/v 64 rows: a codebook per 64 channels)
-TOY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
+TOY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 
 
 def parser(doc: str, out: str | None = None, threads: int | None | bool = False) -> argparse.ArgumentParser:
@@ -47,12 +47,16 @@ def cpu_line() -> str:
 
 
 def markdown(rows: list[dict], cols: list[str] | None = None) -> str:
-    """``rows`` as a Markdown table of ``cols`` (default: every key, in order of appearance),
-    each value as ``str`` shows it (the scripts round their own figures), a missing one blank."""
+    """``rows`` as a Markdown table of ``cols`` (default: every key, in order of appearance): a
+    float to 6 significant digits (the scripts round their own figures; a report's raw ones need
+    it), a missing value blank."""
     cols = cols or list(dict.fromkeys(k for r in rows for k in r))
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join("" if r.get(c) is None else str(r[c]) for c in cols) + " |" for r in rows]
-    return "\n".join(lines)
+
+    def line(cells) -> str:  # a | of a cell's own is escaped
+        return "| " + " | ".join((f"{c:.6g}" if isinstance(c, float) else str(c)).replace("|", "\\|") for c in cells) + " |"
+
+    return "\n".join([line(cols), "|" + "---|" * len(cols), *(line("" if r.get(c) is None else r[c] for c in cols)
+                                                             for r in rows)])
 
 
 def write_results(out: Path, payload: dict, md: str, stem: str = "results") -> None:
@@ -104,10 +108,13 @@ def perplexities(model: torch.nn.Module, tokenizer, texts: list[str], windows: i
 
 def toy_model(folder: Path, vocab: int = 512) -> Path:
     """A LLaMA of the ``TOY`` shape with random weights and a tokenizer of one token a character
-    (the first ``vocab`` - 3 code points), saved in ``folder`` once: what a dry run uses instead
-    of SmolLM2, built in a second with nothing downloaded."""
+    (the first ``vocab`` - 3 code points), saved in ``folder`` once with ``calibration.txt`` (the
+    start of wiki.train, which tokenizes in a moment): what a dry run uses instead of SmolLM2,
+    built in a second with nothing downloaded."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    from wscompress.io.data import load_text
 
     if (folder / "config.json").is_file():
         return folder
@@ -121,11 +128,12 @@ def toy_model(folder: Path, vocab: int = 512) -> Path:
     config = LlamaConfig(vocab_size=vocab, bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=True, **TOY)
     LlamaForCausalLM(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+    (folder / "calibration.txt").write_text(load_text("builtin:wiki.train")[:50_000])
     return folder
 
 
 def toy_sets(folder: Path) -> list[str]:
-    """Recipe overrides that run a recipe on the toy model in ``folder`` with a few short
-    calibration windows and one evaluation window a text."""
-    return [f"model.path={folder}", "calibration.num_samples=4", "calibration.seq_len=64", "calibration.batch_size=2",
-            "eval.max_windows=1"]
+    """Recipe overrides that run a recipe on the toy model in ``folder``: a few short calibration
+    windows of its calibration text, one evaluation window a text."""
+    return [f"model.path={folder}", f"calibration.dataset={folder / 'calibration.txt'}", "calibration.num_samples=4",
+            "calibration.seq_len=64", "calibration.batch_size=2", "eval.max_windows=1"]

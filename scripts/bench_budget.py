@@ -16,27 +16,19 @@ outputs/budget/<name>-trained instead of one-shot.
 
 Usage: python scripts/bench_budget.py [--budgets 2.5 3.0 3.5 4.0] [--uniform 2 3 4] [--out outputs/budget]
        [--bench] [--finetune]
+       python scripts/bench_budget.py --dry-run [--bench]   (one budget and one uniform recipe on a toy model: the
+       suite runs it)
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-from wscompress.io.hardware import cpu_flags
+from _common import REPO, cpu_line, markdown, parser, toy_model, toy_sets, wscompress
 
-REPO = Path(__file__).resolve().parents[1]
 BUDGET_RECIPE = REPO / "configs" / "kmeans_budget_3bit.yaml"
-
-
-def wscompress(*args: str) -> None:
-    """The command itself (its console script sets its process up as users' runs are)."""
-    subprocess.run([str(Path(sys.executable).parent / "wscompress"), *args, "-q"], cwd=REPO, check=True)
 
 
 def run(recipe: Path, out: Path, calibration: Path, *sets: str, trained: bool = False, speed: bool = False) -> dict:
@@ -46,10 +38,9 @@ def run(recipe: Path, out: Path, calibration: Path, *sets: str, trained: bool = 
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True)
         shutil.copytree(calibration, out / "calibration")
-        start = time.perf_counter()
-        wscompress("run", str(recipe), "-o", str(out), *(() if trained else ("--set", "finetune.enabled=false")),
-                   *(a for s in sets for a in ("--set", s)))
-        (out / "seconds").write_text(f"{time.perf_counter() - start:.0f}")
+        seconds = wscompress("run", str(recipe), "-o", str(out), *(() if trained else ("--set", "finetune.enabled=false")),
+                             *(a for s in sets for a in ("--set", s)))
+        (out / "seconds").write_text(f"{seconds:.0f}")
     if speed:
         wscompress("bench", str(recipe), "-o", str(out), *(a for s in sets for a in ("--set", s)),
                    "--set", "bench.batch_sizes=[1]", "--set", "bench.repeats=5", "--set", "bench.breakdown=false")
@@ -74,27 +65,31 @@ def speed_columns(out: Path) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__, out="budget")
     ap.add_argument("--budgets", type=float, nargs="*", default=[2.5, 3.0, 3.5, 4.0])
     ap.add_argument("--uniform", type=int, nargs="*", default=[2, 3, 4], help="shipped k-means recipes (bits) beside them")
-    ap.add_argument("--out", type=Path, default=REPO / "outputs" / "budget")
     ap.add_argument("--bench", action="store_true", help="also each folder's speed against the dense model")
     ap.add_argument("--finetune", action="store_true", help="with the recipes' training instead of one-shot")
+    ap.add_argument("--dry-run", action="store_true", help="a 3.0-bit budget and the 3-bit recipe on a toy model with "
+                    "4 calibration windows of 64 tokens, one window a text: checks the script in a minute")
     args = ap.parse_args()
+    # every step's recipe on the toy model, k-means quick (its quality is not what the dry run checks)
+    toy = [*toy_sets(toy_model(args.out / "toy")), "compress.0.iterations=5", "compress.0.n_init=1",
+           "compress.0.error_feedback=false"] if args.dry_run else []
+    if args.dry_run:
+        args.budgets, args.uniform, args.finetune = [3.0], [3], False
     if args.bench:
-        print("CPU vector flags:", " ".join(sorted(f for f in cpu_flags() if f.startswith("avx"))), flush=True)
+        print("CPU:", cpu_line(), flush=True)
     calibration = args.out / "calibration"
     if not (calibration / "calibration").is_dir():
-        wscompress("calibrate", str(BUDGET_RECIPE), "-o", str(calibration))
+        wscompress("calibrate", str(BUDGET_RECIPE), "-o", str(calibration), *(a for s in toy for a in ("--set", s)))
     suffix, options = ("-trained" if args.finetune else ""), {"trained": args.finetune, "speed": args.bench}
-    rows = [run(BUDGET_RECIPE, args.out / f"budget-{b}{suffix}", calibration / "calibration",
+    rows = [run(BUDGET_RECIPE, args.out / f"budget-{b}{suffix}", calibration / "calibration", *toy,
                 f"compress.0.budget.bits_per_weight={b}", **options) for b in args.budgets]
     rows += [run(REPO / "configs" / f"kmeans_{b}bit.yaml", args.out / f"uniform-{b}bit{suffix}", calibration / "calibration",
-                 **options) for b in args.uniform]
+                 *toy, **options) for b in args.uniform]
     wscompress("report", *(str(args.out / r["run"]) for r in rows), "--out", str(args.out / "comparison"))
-    columns = list(dict.fromkeys(k for r in rows for k in r))
-    table = "\n".join(["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-                      + ["| " + " | ".join("" if r.get(c) is None else str(r[c]) for c in columns) + " |" for r in rows])
+    table = markdown(rows)
     (args.out / "results.md").write_text(table + "\n")
     print(table)
 

@@ -7,12 +7,13 @@ imported), and the largest logit difference of each load to the model that was s
 The stages use the fast options (no refit, uniform ranks, k-means without calibration): the
 structure and the bytes are those of the defaults, the quality is not (docs/*.md has quality).
 
+Writes outputs/bench-hf-loading/results.{json,md} and prints the table.
 Usage: python scripts/bench_hf_loading.py [--forms svd kmeans ...] [--out outputs/bench-hf-loading]
+       python scripts/bench_hf_loading.py --dry-run   (every form of a toy model: the suite runs it)
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -25,10 +26,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import wscompress
+from _common import REPO, markdown, parser, toy_model, write_results
 from wscompress.io import storage
-from wscompress.io.ui import markdown_table
 
-REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 from test_transformers import WITHOUT_WSCOMPRESS  # noqa: E402  (the no-wscompress load the tests run)
 
@@ -52,17 +52,20 @@ def timed(fn):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__, out="bench-hf-loading")
     ap.add_argument("--forms", nargs="*", default=list(FORMS), help="which rows (default: all)")
-    ap.add_argument("--out", type=Path, default=REPO / "outputs" / "bench-hf-loading")
+    ap.add_argument("--dry-run", action="store_true", help="every form of a toy model calibrated on a short text: "
+                    "checks the script in a minute")
     args = ap.parse_args()
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from wscompress.io.checkpoints import builtin_dir
 
-    source = builtin_dir("smollm2-135m-instruct")
-    ids = torch.randint(0, 49152, (1, 64), generator=torch.Generator().manual_seed(0))
-    calibration = {"dataset": "builtin:wiki.train", "num_samples": 8, "seq_len": 256, "batch_size": 4}
+    source = toy_model(args.out / "toy") if args.dry_run else builtin_dir("smollm2-135m-instruct")
+    vocab = AutoConfig.from_pretrained(source).vocab_size
+    ids = torch.randint(0, vocab, (1, 64), generator=torch.Generator().manual_seed(0))
+    text = str(source / "calibration.txt") if args.dry_run else "builtin:wiki.train"
+    calibration = {"dataset": text, "num_samples": 8, "seq_len": 256, "batch_size": 4}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -99,13 +102,10 @@ def main() -> None:
                          "dense export MB": round(storage.file_size(tmp / f"{folder.name}-dense") / 2**20, 1),
                          "wscompress.load s": round(ours_s, 2), "from_pretrained s": round(stock_s, 2),
                          "max |Δ logit| (load / from_pretrained / without wscompress)": " / ".join(f"{d:.1e}" for d in diffs)})
-    table = markdown_table(rows)
-    print(table)
-    print(f"\nwithout wscompress: one fresh Python loaded all {len(folders)} folders with trust_remote_code=True "
-          f"and ran them in {remote_s:.1f} s (interpreter and transformers start-up included)")
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "table.md").write_text(table + "\n")
-    (args.out / "rows.json").write_text(json.dumps(rows, indent=1))
+    md = (markdown(rows) + f"\n\nwithout wscompress: one fresh Python loaded all {len(folders)} folders with "
+          f"trust_remote_code=True and ran them in {remote_s:.1f} s (interpreter and transformers start-up included)")
+    write_results(args.out, {"rows": rows, "remote_s": remote_s}, md)
+    print(md)
 
 
 if __name__ == "__main__":

@@ -34,11 +34,11 @@ pass is layer by layer, so 32 times that is the cost at 7B (outputs/lowbit/layer
 Usage: python scripts/bench_lowbit.py [--rows LABEL ...] [--bits 2 3 4] [--windows 40] [--minutes 30]
                                       [--kd] [--norms] [--lr LR] [--outliers F] [--peers PYTHON] [--threads N]
        python scripts/bench_lowbit.py --layer-cost [--bits 2 3] [--tokens 8192]
+       python scripts/bench_lowbit.py --dry-run   (DRY_ROWS at 2 bits on a toy model, 3 s of training: the suite runs it)
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import re
@@ -51,16 +51,14 @@ from typing import Callable
 import torch
 from safetensors.torch import load_file, save_file
 
-from wscompress.evaluation.perplexity import evaluate_text
+from _common import (REPO, compressed_copy, markdown, parse, parser, perplexities, toy_model, toy_sets,
+                     write_results)
 from wscompress.io import data, storage
 from wscompress.io.checkpoints import builtin_dir, load_model
-from wscompress.io.ui import markdown_table
 from wscompress.model.arch import discover
 from wscompress.recipe.load import load_recipe
 from wscompress.recovery.finetune import finetune
-from wscompress.workflow import apply_stages
 
-REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "protocol.yaml"
 TEXTS = ["builtin:wiki.test", "builtin:brown"]
 
@@ -94,6 +92,8 @@ LR = 1e-4  # of the recovery rows; another one is named in the row's label
 # groups per bits (input columns sharing a scale); SmolLM2's 576 columns rule out the common 128
 RTN_GROUPS = {2: [32, 64], 3: [32, 64], 4: [64]}
 GPTQ_GROUPS = {2: [32, 64], 3: [64], 4: [64]}
+# the dry run's rows: the default one-shot and trained, a peer and DKM
+DRY_ROWS = ["kmeans per channel (default)", "kmeans per channel (default) +", "RTN g64", "DKM"]
 
 
 def rtn_(model: torch.nn.Module, bits: int, group: int) -> float:
@@ -144,20 +144,16 @@ def layer_cost(args, recipe, tok, out: Path) -> None:
         for label, stages_of in OURS.items():
             if (stages := stages_of(b, OUTLIERS[b])) is None or args.rows and not any(label.startswith(r) for r in args.rows):
                 continue
-            model = copy.deepcopy(layer)
-            run.compress = load_recipe(data={"compress": stages}).compress
-            start = time.perf_counter()
-            report = apply_stages(model, tok, run)
-            seconds = time.perf_counter() - start
+            _, report, seconds = compressed_copy(layer, tok, run, stages)
             rows.append({"method": label, "bits": b, "bits_per_weight": round(report[-1]["bits_per_weight"], 3),
                          "tokens": args.tokens, "s per 7B layer": round(seconds, 1), "min at 7B (32 layers)": round(32 * seconds / 60, 1)})
             print(rows[-1], flush=True)
-    (out / "layer_cost.json").write_text(json.dumps({"threads": torch.get_num_threads(), "rows": rows}, indent=1))
-    print(markdown_table(rows))
+    write_results(out, {"threads": torch.get_num_threads(), "rows": rows}, markdown(rows), stem="layer_cost")
+    print(markdown(rows))
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__, out="lowbit", threads=None)
     ap.add_argument("--rows", nargs="+", default=None, help="labels (or their first words; a training row only with "
                     "its '+') of the rows to run")
     ap.add_argument("--bits", type=int, nargs="+", default=[2, 3, 4])
@@ -170,16 +166,17 @@ def main() -> None:
     ap.add_argument("--outliers", type=float, default=None, help="fraction of weights the vector rows keep aside "
                     "(default: OUTLIERS, per bits); named in the row's label")
     ap.add_argument("--peers", default=None, help="a Python with llmcompressor (GPTQ rows; skipped without)")
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--out", type=Path, default=REPO / "outputs" / "lowbit")
     ap.add_argument("--layer-cost", action="store_true", help="time our one-shot rows on one LLaMA-7B-shaped layer")
     ap.add_argument("--tokens", type=int, default=8192, help="--layer-cost: calibration tokens (windows of 512)")
-    args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    ap.add_argument("--dry-run", action="store_true", help="DRY_ROWS at 2 bits on a toy model, 3 seconds of training, "
+                    "one window a text: checks the script in a minute")
+    args = parse(ap)
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    recipe = load_recipe(CONFIG, [f"output.dir={out}"])
+    sets = toy_sets(toy_model(out / "toy")) if args.dry_run else []
+    if args.dry_run:
+        args.rows, args.bits, args.windows, args.minutes = DRY_ROWS, [2], 1, 0.05
+    recipe = load_recipe(CONFIG, [f"output.dir={out}", *sets])
     original, tok = load_model(recipe.model)
     if args.layer_cost:
         return layer_cost(args, recipe, tok, out)
@@ -188,15 +185,12 @@ def main() -> None:
                                        cal.bos, cal.sampling)
 
     def scores(model) -> dict[str, float]:
-        model.eval()
-        return {Path(data.source_label(t)).stem: round(evaluate_text(model, tok, t, 512, None, 4, args.windows, recipe.eval.bos,
-                                                                     label=f"ppl {data.source_label(t)}")["ppl"], 2)
-                for t in TEXTS}
+        return perplexities(model, tok, TEXTS, args.windows, recipe.eval.bos)
 
     def train(model, mode: str, bits: int | None = None) -> tuple[torch.nn.Module, dict]:
         kd = args.kd and mode == "method"
         ft = load_recipe(data={
-            "finetune": {"mode": mode, "dataset": "builtin:wiki.train", "seq_len": 256, "batch_size": 4, "steps": 100_000,
+            "finetune": {"mode": mode, "dataset": cal.dataset, "seq_len": 256, "batch_size": 4, "steps": 100_000,
                          "max_minutes": args.minutes, "lr": args.lr, "warmup_steps": 10, "eval_windows": 4,
                          **({"dkm": {"bits": bits}} if mode == "dkm" else {}),
                          **({"distill": {"kl": 1.0}} if kd else {}),
@@ -205,13 +199,8 @@ def main() -> None:
         return finetune(model, tok, ft, teacher=original if kd else None)
 
     def one_shot(stages: list[dict]) -> tuple[torch.nn.Module, dict]:
-        model = copy.deepcopy(original)
-        run = recipe.model_copy()
-        run.compress = load_recipe(data={"compress": stages}).compress
-        start = time.perf_counter()
-        report = apply_stages(model, tok, run)
-        return model, {"bits_per_weight": round(report[-1]["bits_per_weight"], 3),
-                       "compress_s": round(time.perf_counter() - start, 1)}
+        model, report, seconds = compressed_copy(original, tok, recipe, stages)
+        return model, {"bits_per_weight": round(report[-1]["bits_per_weight"], 3), "compress_s": round(seconds, 1)}
 
     def cached(label: str, b: int, stages: list[dict]) -> tuple[torch.nn.Module, dict]:
         path = out / "oneshot" / (f"{b}-" + re.sub(r"[^\w.]+", "-", label))
@@ -252,6 +241,12 @@ def main() -> None:
     done = out / "results.json"
     rows = json.loads(done.read_text())["rows"] if done.is_file() else [{"method": "dense", **scores(original)}]
     dense = rows[0]
+    cols = ["method", "bits", "bits_per_weight", "wiki.test", "wiki.test x", "brown", "brown x", "compress_s", "train_s", "steps"]
+
+    def table() -> str:
+        return (f"{Path(recipe.model.path).name}, protocol calibration, {args.windows} windows of 512 tokens per text, "
+                f"{torch.get_num_threads()} threads\n\n" + markdown(rows, cols))
+
     def wanted(label: str) -> bool:  # a training row only where asked for ("+" in the given words)
         return args.rows is None or any(label.startswith(r) and ("+" in r or " + " not in label) for r in args.rows)
 
@@ -270,13 +265,10 @@ def main() -> None:
         ppl = scores(model)
         rows.append({"method": label, "bits": b, **row, **ppl, **{f"{t} x": round(ppl[t] / dense[t], 3) for t in ppl}})
         print(rows[-1], flush=True)
-        done.write_text(json.dumps({"rows": rows}, indent=1))
+        write_results(out, {"rows": rows}, table())  # after every row: an interrupted run keeps what it measured
         del model
-    cols = ["method", "bits", "bits_per_weight", "wiki.test", "wiki.test x", "brown", "brown x", "compress_s", "train_s", "steps"]
-    md = (f"SmolLM2-135M-Instruct, protocol calibration, {args.windows} windows of 512 tokens per text, "
-          f"{torch.get_num_threads()} threads\n\n" + markdown_table([{c: r.get(c, "") for c in cols} for r in rows]) + "\n")
-    (out / "results.md").write_text(md)
-    print(md)
+    write_results(out, {"rows": rows}, table())
+    print(table())
 
 
 if __name__ == "__main__":

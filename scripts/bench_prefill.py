@@ -16,18 +16,17 @@ Usage: python scripts/bench_prefill.py [--shapes tinyllama smollm2] [--threads 1
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from pathlib import Path
 
 import torch
 
-from bench_runtime import MODELS, RECIPES, markdown, random_palettized
+from _common import REPO, cpu_line, markdown, write_results
+from bench_runtime import MODELS, RECIPES, random_palettized
 from peers_llamacpp import SHAPES, TINY
-from wscompress.io.hardware import cpu_name, vector_flags
 
-REPO = Path(__file__).resolve().parents[1]
+
 def projections(hidden: int, ffn: int, kv: int) -> list[tuple[int, int]]:
     """(out, in) of one decoder layer's projections: q, k, v, o, gate, up, down."""
     return [(hidden, hidden), (kv, hidden), (kv, hidden), (hidden, hidden), (ffn, hidden), (ffn, hidden), (hidden, ffn)]
@@ -79,13 +78,10 @@ def main() -> None:
                 rows.append(row)
                 print(row, flush=True)
     os.environ.pop("WSCOMPRESS_INT8_PREFILL")
-    flags = vector_flags()
     md = (f"Prefill of {args.tokens} tokens through every decoder projection (attention, norms and head "
-          f"excluded), best of {args.rounds} rounds, both paths alternating in one process; {cpu_name()}, "
-          f"flags: {flags}.\n\n" + markdown(rows, list(rows[0])))
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps({"rows": rows, "cpu": cpu_name(), "flags": flags}, indent=1))
-    (args.out / "results.md").write_text(md + "\n")
+          f"excluded), best of {args.rounds} rounds, both paths alternating in one process; {cpu_line()}.\n\n"
+          + markdown(rows))
+    write_results(args.out, {"rows": rows, "cpu": cpu_line()}, md)
     print(md)
 
 

@@ -16,29 +16,22 @@ default was tuned on).
 Writes outputs/protocol/results.{json,md} after every row and prints the tables.
 Usage: python scripts/bench_protocol.py [--rows svd-llm bs-g2 ...] [--ratios 0.2 0.4] [--bits 3 4] [--windows 40]
        [--set calibration.dtype=float32 --out outputs/protocol-float32]  (the same with float32 passes)
+       python scripts/bench_protocol.py --dry-run   (DRY_ROWS on a toy model, one window: the suite runs it)
 """
 
 from __future__ import annotations
 
-import argparse
-import copy
 import json
-import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import torch
 
+from _common import REPO, compressed_copy, markdown, parser, perplexities, step, toy_model, toy_sets, write_results
 from wscompress.evaluation import report as reports
-from wscompress.evaluation.perplexity import evaluate_text
 from wscompress.io import storage
 from wscompress.io.checkpoints import load_model
 from wscompress.recipe.load import load_recipe
-from wscompress.workflow import apply_stages
 
-REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "protocol.yaml"
 UNIFORM = {"allocation": "uniform"}
 FAST = {"sensitivity": "none", "error_feedback": False, "refit": False, "outliers": 0, "codebook_dtype": "float32"}
@@ -111,18 +104,8 @@ OFFICIAL = {"official Basis Sharing g2 (q/gate/up shared)": {0.2: 89.53, 0.4: 29
             "official SVD-LLM (whitening)": {0.2: 90.40, 0.4: 311.5}}
 # The official Basis Sharing code's own configuration, in wscompress's terms (its time target, issue 11)
 OFFICIAL_CONFIGURATION = ["compress.0.allocation=uniform", "compress.0.refit=false"]
-
-
-def markdown(rows: list[dict], cols: list[str]) -> str:
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in rows]
-    return "\n".join(lines)
-
-
-def evaluate(model, tok, recipe, windows: int) -> dict[str, float]:
-    return {Path(src).stem: round(evaluate_text(model, tok, src, 512, None, 4, windows, recipe.eval.bos,
-                                                label=f"ppl {Path(src).stem}")["ppl"], 2)
-            for src in recipe.eval.perplexity}
+# the dry run's rows: the quickest of each table (the script's path is the same for every row)
+DRY_ROWS = ["SVD-LLM (svd, uniform)", "k-means per channel (plain)", "gqa 3 -> 1 kv heads, init: mean (Ainslie et al.)"]
 
 
 def write(out: Path, rows: list[dict], steps: list[dict], args) -> str:
@@ -146,40 +129,41 @@ def write(out: Path, rows: list[dict], steps: list[dict], args) -> str:
         markdown(official + list(ours.values()), cols),
         markdown(table, ["method", "size", "bytes"] + texts + [f"{t} / dense" for t in texts] + ["compress_s"]),
     ])
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps({"rows": rows, "steps": steps, "official": OFFICIAL}, indent=1))
-    (out / "results.md").write_text(md + "\n")
+    write_results(out, {"rows": rows, "steps": steps, "official": OFFICIAL}, md)
     return md
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__, out="protocol")
     ap.add_argument("--rows", nargs="+", default=list(LOW_RANK) + list(CLUSTERING) + list(COMBINED),
                     help="labels of the rows to run")
     ap.add_argument("--ratios", type=float, nargs="+", default=[0.2, 0.3, 0.4, 0.5])
     ap.add_argument("--bits", type=int, nargs="+", default=[2, 3, 4])
     ap.add_argument("--windows", type=int, default=40)
-    ap.add_argument("--out", type=Path, default=REPO / "outputs" / "protocol")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="recipe override for both steps and every row, e.g. calibration.dtype=float32")
+    ap.add_argument("--dry-run", action="store_true", help="DRY_ROWS at one ratio and 4 bits on a toy model with "
+                    "4 calibration windows of 64 tokens, one window a text, the recipe's steps only in their default "
+                    "configuration: checks the script in a minute")
     args = ap.parse_args()
     out = args.out.resolve()
+    if args.dry_run:
+        args.set += toy_sets(toy_model(out / "toy"))
+        args.rows, args.ratios, args.bits, args.windows = DRY_ROWS, [0.2], [4], 1
     recipe = load_recipe(CONFIG, [f"output.dir={out}", *args.set])
 
-    def cli(step: str, folder: Path, done: Path, sets: list[str]) -> dict:
+    def cli(command: str, folder: Path, done: Path, sets: list[str]) -> dict:
         """One step as a user runs it (a fresh process), unless an earlier invocation did; its report."""
-        if not done.is_file():
-            flags = [a for kv in args.set + sets for a in ("-s", kv)]
-            subprocess.run([sys.executable, "-m", "wscompress.cli", step, str(CONFIG), "-o", str(folder), "-q", *flags],
-                           check=True, cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-        return json.loads((folder / "reports" / f"{step}.json").read_text())
+        if done.is_file():
+            return json.loads((folder / "reports" / f"{command}.json").read_text())
+        return step(command, CONFIG, folder, args.set + sets)
 
     steps = []
     # the recipe's stage (the defaults), then the official code's configuration (one ratio per
     # matrix, no refit: no sensitivities to calibrate either) in a folder of its own
-    for folder, sets, gathered, stage in [
-            (out, [], "Grams + sensitivities", "defaults: fisher + refit"),
-            (out / "official-configuration", OFFICIAL_CONFIGURATION, "Grams", "allocation: uniform, refit: false")]:
+    configurations = [(out, [], "Grams + sensitivities", "defaults: fisher + refit"),
+                      (out / "official-configuration", OFFICIAL_CONFIGURATION, "Grams", "allocation: uniform, refit: false")]
+    for folder, sets, gathered, stage in configurations[:1] if args.dry_run else configurations:
         calib = cli("calibrate", folder, folder / "calibration" / "stats.json", sets)
         comp = cli("compress", folder, folder / "reports" / "compress.json", sets)  # statistics reused
         steps += [{"step": f"wscompress calibrate ({gathered})", "seconds": calib["seconds"],
@@ -188,9 +172,13 @@ def main() -> None:
                    "seconds": round(sum(s["seconds"] for s in comp["stages"]), 1), "peak_memory_mb": comp["peak_memory_mb"]}]
 
     original, tok = load_model(recipe.model)
+
+    def scores(model) -> dict[str, float]:
+        return perplexities(model, tok, recipe.eval.perplexity, args.windows, recipe.eval.bos)
+
     done = out / "results.json"  # rows measured by an earlier invocation are kept, not rerun
     rows = json.loads(done.read_text())["rows"] if done.is_file() else \
-        [{"method": "dense", "size": "100 %", "bytes": "100 %", "ppl": evaluate(original, tok, recipe, args.windows)}]
+        [{"method": "dense", "size": "100 %", "bytes": "100 %", "ppl": scores(original)}]
     print(rows[0], flush=True)
     runs = [(label, [{**stage, "ratio": r}]) for r in args.ratios for label, stage in LOW_RANK.items() if label in args.rows]
     runs += [(label, [{**stage, "bits": b}]) for b in args.bits for label, stage in CLUSTERING.items() if label in args.rows]
@@ -200,18 +188,13 @@ def main() -> None:
         setting = {k: stages[0][k] for k in ("ratio", "bits") if k in stages[0]} if len(stages) == 1 else {}
         if any(r["method"] == label and all(r.get(k) == v for k, v in setting.items()) for r in rows):
             continue
-        model = copy.deepcopy(original)
-        run = recipe.model_copy()
-        run.compress = load_recipe(data={"compress": stages}).compress
-        start = time.perf_counter()
-        report = apply_stages(model, tok, run)
-        seconds = round(time.perf_counter() - start, 1)
+        model, report, seconds = compressed_copy(original, tok, recipe, stages)
         last = report[-1]
         size = (f"{last['bits_per_weight']:.3f} bits/weight" if "bits_per_weight" in last
                 else f"{last['params_after'] / report[0]['params_before']:.1%} params")
-        ppl, stats = evaluate(model, tok, recipe, args.windows), storage.stats(model)
+        ppl, stats = scores(model), storage.stats(model)
         rows.append({"method": label, **setting, "size": size, "bytes": f"{stats['tensor_bytes'] / dense_stats['tensor_bytes']:.1%}",
-                     "ppl": ppl, "compress_s": seconds})
+                     "ppl": ppl, "compress_s": round(seconds, 1)})
         print(rows[-1], flush=True)
         slug = "".join(c if c.isalnum() else "-" for c in f"{label} {setting}").strip("-")
         run_dir = out / "runs" / slug

@@ -17,21 +17,23 @@ bytes a value) gains in speed and costs in quality against the float path, in on
 
 Usage: python scripts/bench_q8.py [--products] [FOLDER ...] [--half] [--profile] [--windows 4] [--length 256] [--threads 1]
 (FOLDER: a model folder `wscompress compress` wrote, e.g. of configs/kmeans_4bit.yaml)
+       python scripts/bench_q8.py --dry-run   (toy shapes and a toy model, no profile: the suite runs it)
 """
 
 from __future__ import annotations
 
-import argparse
 import math
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from wscompress import compress, kernels
+from _common import cpu_line, parse, parser, toy_model
+from bench_runtime import MODELS, RECIPES, TOY_SHAPES, random_layout
+from wscompress import compress, kernels, load
 from wscompress.io import data, storage
-from wscompress.io.hardware import cpu_flags
 from wscompress.model.modeling_wscompress import round_tables
 
 TEXTS = ["builtin:wiki.test", "builtin:brown"]
@@ -42,6 +44,7 @@ LAYOUTS = {  # label -> (index width, weights an index, table entries); tables p
     "2-d, 6-bit indices (3-bit recipe)": (8, 2, 64),
 }
 SHAPES = [(576, 576), (1536, 576), (576, 1536), (4096, 4096)]  # (out, in)
+HEADS = [(49152, 576), (1536, 576)]  # the float16 head's products: SmolLM2's head, and a smaller one
 NONE = (torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int32), torch.empty(0))
 
 
@@ -56,7 +59,7 @@ def best_us(f, calls: int) -> float:
     return best * 1e6
 
 
-def products() -> None:
+def products(shapes: list[tuple[int, int]], heads: list[tuple[int, int]]) -> None:
     ops = torch.ops.wscompress
     print("| layout | out x in | float µs | byte products µs | speed-up | GB/s of indices |")
     print("|---|---|---|---|---|---|")
@@ -65,7 +68,7 @@ def products() -> None:
         if not kernels.q8(width):
             print(f"| {label} | | | not on this build | | |")
             continue
-        for out, inp in SHAPES:
+        for out, inp in shapes:
             tables = torch.randn(out // 64, k, d, generator=gen)
             tables = tables[..., 0].contiguous() if d == 1 else tables
             idx = torch.randint(0, 256 if width == 4 else k, (out * inp * width // 8 // d,), dtype=torch.uint8, generator=gen)
@@ -77,7 +80,7 @@ def products() -> None:
     # the float16 head (method: half) against the float32 one, the same product at batch 1
     print("\n| dense weight | out x in | float32 F.linear µs | float16 half_linear µs | speed-up | GB/s of weights |")
     print("|---|---|---|---|---|---|")
-    for out, inp in [(49152, 576), (1536, 576)]:
+    for out, inp in heads:
         w, x = torch.randn(out, inp, generator=gen) * 0.02, torch.randn(1, inp, generator=gen)
         w16, calls = w.half(), 20 if out * inp > 1e7 else 200
         fl = best_us(lambda: F.linear(x, w), calls)
@@ -102,29 +105,47 @@ def prefilled(model, window: torch.Tensor) -> float:
     return F.cross_entropy(logits, window[1:], reduction="sum").item()
 
 
+def toy_folder(out: Path) -> Path:
+    """The toy model in the 4-bit recipe's layout (random values: the speed does not depend on them),
+    saved in ``out``: a folder for the dry run."""
+    model, tokenizer = load(toy_model(out / "toy"), device="cpu")
+    random_layout(model, MODELS[RECIPES["configs/kmeans_4bit.yaml"]][0])
+    storage.save(model, tokenizer, out / "toy-4bit")
+    return out / "toy-4bit"
+
+
 @torch.no_grad()
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__, threads=1)
     ap.add_argument("folders", nargs="*", type=Path)
     ap.add_argument("--products", action="store_true", help="time single products first")
     ap.add_argument("--windows", type=int, default=4, help="windows of each text")
     ap.add_argument("--length", type=int, default=256, help="tokens a window")
-    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--half", action="store_true",
                     help="store each folder's tied embedding/head in float16 first (the shipped recipes' last stage, "
                          "for folders written before they had it)")
     ap.add_argument("--profile", action="store_true",
                     help="only: where a compiled decode step's time goes, by operator (torch.profiler)")
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    flags = sorted(f for f in cpu_flags() if f.startswith(("avx2", "avx512", "avx_vnni")))
-    print(f"CPU flags: {' '.join(flags)}; kernels: {kernels.status()}; threads {args.threads}")
+    ap.add_argument("--dry-run", action="store_true", help="--products on toy shapes, then a toy model in the 4-bit "
+                    "recipe's layout with --half, one window of 32 tokens a text (no --profile): checks the script in seconds")
+    args = parse(ap)
+    print(f"CPU: {cpu_line()}; kernels: {kernels.status()}; threads {args.threads}")
+    if args.dry_run:
+        with tempfile.TemporaryDirectory() as tmp:
+            products(TOY_SHAPES, [(512, 128)])
+            args.folders, args.half, args.windows, args.length, args.profile = [toy_folder(Path(tmp))], True, 1, 32, False
+            return folders(args)
     if args.products:
-        products()
+        products(SHAPES, HEADS)
+    folders(args)
+
+
+def folders(args) -> None:
+    """Each folder's decode perplexity and speed by path, or with ``args.profile`` its compiled step's profile."""
     if not args.folders:
         return
     if not args.profile:
-        print("| model | text | prefill ppl | decode ppl, float | decode ppl, byte products | x float | ms/token float | "
+        print("\n| model | text | prefill ppl | decode ppl, float | decode ppl, byte products | x float | ms/token float | "
               "ms/token byte products | speed-up |")
         print("|---|---|---|---|---|---|---|---|---|")
     for folder in args.folders:

@@ -15,30 +15,22 @@ seconds) goes to results.json; results.md has the table.
 
 Usage: python scripts/bench_recovery.py [--minutes 2] [--methods bs20 kmeans3 ...]
                                         [--recoveries lm kd layerwise+kd] [--windows 40]
+       python scripts/bench_recovery.py --dry-run   (bs20's recoveries on a toy model, 3 s each: the suite runs it)
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
-import os
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import torch
 
-from wscompress.evaluation.perplexity import evaluate_text
-from wscompress.io import data
+from _common import (REPO, compressed_copy, markdown, parse, parser, perplexities, step, toy_model, toy_sets,
+                     write_results)
 from wscompress.io.checkpoints import load_model
-from wscompress.io.ui import markdown_table
 from wscompress.recipe.load import load_recipe
 from wscompress.recovery.finetune import finetune
-from wscompress.workflow import apply_stages
 
-REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "protocol.yaml"
 METHODS = {  # key -> (label, stages, learning rate of mode: method)
     "bs20": ("basis_sharing g2 20 %", [{"method": "basis_sharing", "ratio": 0.2, "group_size": 2}], 1e-4),
@@ -57,48 +49,47 @@ RECOVERIES = {
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__, out="bench-recovery", threads=None)
     ap.add_argument("--minutes", type=float, default=2.0, help="training budget of every recovery run")
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     ap.add_argument("--recoveries", nargs="+", default=list(RECOVERIES), choices=list(RECOVERIES))
     ap.add_argument("--windows", type=int, default=40, help="512-token windows scored per text at the end")
     ap.add_argument("--eval-every", type=int, default=20, help="steps between the curve's points")
-    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    ap.add_argument("--out", type=Path, default=REPO / "outputs" / "bench-recovery")
-    args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    ap.add_argument("--dry-run", action="store_true", help="bs20 with each recovery on a toy model, 3 seconds of "
+                    "training each, one window a text: checks the script in a minute")
+    args = parse(ap)
     out = args.out.resolve()
-    recipe = load_recipe(CONFIG, [f"output.dir={out}"])
+    sets = toy_sets(toy_model(out / "toy")) if args.dry_run else []
+    if args.dry_run:
+        args.methods, args.minutes, args.windows, args.eval_every = ["bs20"], 0.05, 1, 2
+    recipe = load_recipe(CONFIG, [f"output.dir={out}", *sets])
     calibrated = any(s["method"] in ("basis_sharing", "kmeans") for m in args.methods for s in METHODS[m][1])
     if calibrated and not (out / "calibration" / "stats.json").is_file():  # Grams and sensitivities, once
-        subprocess.run([sys.executable, "-m", "wscompress.cli", "calibrate", str(CONFIG), "-o", str(out), "-q"],
-                       check=True, cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        step("calibrate", CONFIG, out, sets)
     original, tok = load_model(recipe.model)
     teacher = copy.deepcopy(original).eval().requires_grad_(False)
     texts = ["builtin:wiki.test", "builtin:brown"]
 
     def scores(model) -> dict[str, float]:
-        model.eval()
-        return {Path(data.source_label(t)).stem: round(evaluate_text(model, tok, t, 512, None, 4, args.windows, recipe.eval.bos,
-                                                  label=f"ppl {data.source_label(t)}")["ppl"], 2) for t in texts}
+        return perplexities(model, tok, texts, args.windows, recipe.eval.bos)
 
     done = out / "results.json"  # rows of an earlier invocation with the same budget are kept
     saved = json.loads(done.read_text()) if done.is_file() else {}
     rows = saved.get("rows", []) if saved.get("minutes") == args.minutes and saved.get("windows") == args.windows else []
     if not rows:
         rows.append({"method": "dense", "recovery": "-", **scores(original)})
+    cols = ["method", "recovery", "steps", "train_s", "wiki.test", "brown", "compress_s", "note"]
+
+    def table() -> str:
+        return (f"{recipe.model.path}, {args.minutes:g} training minutes per run on {torch.get_num_threads()} threads "
+                f"(evaluation excluded), {args.windows} windows of 512 tokens per text; brown.txt never trained on\n\n"
+                + markdown(rows, cols))
     for key in args.methods:
         label, stages, lr = METHODS[key]
         if all(any(r["method"] == label and r["recovery"] == rec for r in rows) for rec in args.recoveries):
             continue
-        compressed = copy.deepcopy(original)
-        run = recipe.model_copy()
-        run.compress = load_recipe(data={"compress": stages}).compress
-        start = time.perf_counter()
-        apply_stages(compressed, tok, run)
-        one_shot = {"method": label, "recovery": "none (one-shot)", "compress_s": round(time.perf_counter() - start, 1),
-                    **scores(compressed)}
+        compressed, _, seconds = compressed_copy(original, tok, recipe, stages)
+        one_shot = {"method": label, "recovery": "none (one-shot)", "compress_s": round(seconds, 1), **scores(compressed)}
         print(one_shot, flush=True)
         if not any(r["method"] == label and r["recovery"] == one_shot["recovery"] for r in rows):
             rows.append(one_shot)
@@ -110,7 +101,7 @@ def main() -> None:
                 rows.append({"method": label, "recovery": rec, "note": "n/a: the method removed layers"})
                 continue
             ft = load_recipe(data={
-                "finetune": {"mode": "method", "dataset": "builtin:wiki.train", "seq_len": 256, "batch_size": 4,
+                "finetune": {"mode": "method", "dataset": recipe.calibration.dataset, "seq_len": 256, "batch_size": 4,
                              "steps": 100_000, "max_minutes": args.minutes, "lr": lr, "warmup_steps": 10,
                              "eval_every": args.eval_every, "eval_windows": 4, "distill": distill},
                 "eval": {"perplexity": [texts[0]]}, "output": {"dir": str(out / "ft")}})
@@ -119,15 +110,10 @@ def main() -> None:
                          "train_s": report["history"][-1]["seconds"], **scores(model),
                          "curve": [(h["seconds"], round(h["ppl"], 2)) for h in report["history"] if "ppl" in h]})
             print({k: v for k, v in rows[-1].items() if k != "curve"}, flush=True)
-            done.write_text(json.dumps({"minutes": args.minutes, "windows": args.windows, "rows": rows}, indent=1))
+            write_results(out, {"minutes": args.minutes, "windows": args.windows, "rows": rows}, table())
             del model
-    setup = (f"SmolLM2-135M-Instruct, {args.minutes:g} training minutes per run on {torch.get_num_threads()} threads "
-             f"(evaluation excluded), {args.windows} windows of 512 tokens per text; brown.txt never trained on")
-    cols = ["method", "recovery", "steps", "train_s", "wiki.test", "brown", "compress_s", "note"]
-    md = f"{setup}\n\n{markdown_table([{c: r.get(c) for c in cols} for r in rows])}\n"
-    done.write_text(json.dumps({"minutes": args.minutes, "windows": args.windows, "rows": rows}, indent=1))
-    (out / "results.md").write_text(md)
-    print(md)
+    write_results(out, {"minutes": args.minutes, "windows": args.windows, "rows": rows}, table())
+    print(table())
 
 
 if __name__ == "__main__":

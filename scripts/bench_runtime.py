@@ -20,19 +20,20 @@ decoded token at batch 1), so ``of bound`` says how close a path comes to the me
 Writes outputs/bench_runtime/results.{json,md} and prints the table.
 Usage: python scripts/bench_runtime.py [--threads 1 2] [--rounds 5] [--models "dense" "kmeans 4-bit per channel" ...]
        python scripts/bench_runtime.py --device cuda [--layers]
+       python scripts/bench_runtime.py --dry-run   (every model at toy size, one round: the suite runs it)
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import json
 import time
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from _common import REPO, markdown, toy_model, write_results
 from wscompress import kernels
 from wscompress.evaluation.bench import kernel_path
 from wscompress.evaluation.decode import StaticDecoder, cache_argument
@@ -43,7 +44,6 @@ from wscompress.io.checkpoints import load_model
 from wscompress.recipe.load import load_recipe
 from wscompress.workflow import apply_stages
 
-REPO = Path(__file__).resolve().parents[1]
 PLAIN = {"method": "kmeans", "sensitivity": "none", "error_feedback": False, "refit": False, "outliers": 0,
          "codebook_dtype": "float32"}
 # vector codebooks (bits per weight = bits / cluster_dim); few iterations: the speed does not depend on them
@@ -180,6 +180,7 @@ def graph_decode_seconds(decoder: StaticDecoder, decode: int) -> float:
 
 
 LAYER_SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008)]  # (out, in) of LLaMA-7B's q/o, gate/up, down
+TOY_SHAPES = [(128, 256), (256, 128)]  # the dry runs'
 LAYER_MODELS = ["kmeans 4-bit per channel", "kmeans 3-bit per channel", "kmeans 2-bit per channel",
                 "kmeans 2-bit, 2-d vectors per 64 channels", "kmeans 3-bit, 2-d vectors per 64 channels",
                 "kmeans 2-bit, 4-d vectors per matrix", *RECIPES.values()]
@@ -238,12 +239,6 @@ def best_seconds(fn, device: torch.device, runs: int = 5) -> float:
     return best
 
 
-def markdown(rows: list[dict], cols: list[str]) -> str:
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in rows]
-    return "\n".join(lines)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
@@ -266,7 +261,12 @@ def main() -> None:
     ap.add_argument("--cluster", action="store_true", help="build kmeans layouts by data-free clustering (minutes) "
                     "instead of random values of the same layout (seconds; the speed is the same)")
     ap.add_argument("--out", type=Path, default=REPO / "outputs" / "bench_runtime")
+    ap.add_argument("--dry-run", action="store_true", help="every model built from the toy model (--layers: toy "
+                    "shapes), timed once on one thread at batch 1: checks the script in seconds")
     args = ap.parse_args()
+    if args.dry_run:
+        args.model = str(toy_model(args.out / "toy"))
+        args.threads, args.batches, args.rounds, args.prefill, args.decode = [1], [1], 1, 16, 4
     device = torch.device(args.device)
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     graphed = device.type == "cuda" and args.graph or args.compile
@@ -345,14 +345,12 @@ def main() -> None:
                          + breakdown_markdown(breakdowns[label]))
     layers = []
     if args.layers:
-        layers = layer_rows(device, dtype, bandwidth, device.type == "cuda" and args.graph)
+        layers = layer_rows(device, dtype, bandwidth, device.type == "cuda" and args.graph,
+                            TOY_SHAPES if args.dry_run else LAYER_SHAPES)
         parts += [f"One product per call at batch 1 on {where} (random weights; "
                   "bound = weight bytes / copy bandwidth)", markdown(layers, [c for c in LAYER_COLS if c in layers[0]])]
     md = "\n\n".join(parts)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps({"rows": rows, "paths": paths, "layers": layers, "breakdowns": breakdowns},
-                                                      indent=1))
-    (args.out / "results.md").write_text(md + "\n")
+    write_results(args.out, {"rows": rows, "paths": paths, "layers": layers, "breakdowns": breakdowns}, md)
     print(md)
 
 

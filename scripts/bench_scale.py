@@ -8,24 +8,22 @@ seconds and the peak resident memory (peak CUDA memory on a GPU). The table puts
 to the model's weight bytes: with the model in memory the peak should stay near the weights,
 with ``offload: disk`` below them, and the part beyond the weights should not grow with depth.
 
+Writes outputs/bench-scale/results.{json,md} and prints the table.
 Usage: python scripts/bench_scale.py [--sizes 135m 0.5b 1.1b] [--methods svd basis_sharing kmeans]
                                      [--offload none disk] [--layers 11 22]
+       python scripts/bench_scale.py --dry-run   (svd on a toy model, in memory and from disk: the suite runs it)
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
-import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
+from _common import markdown, parser, step, toy_model, write_results
+
 SHAPES = {  # LLaMA-shaped: hidden, FFN, layers, query / key-value heads
     "135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                  num_key_value_heads=3, tie_word_embeddings=True),
@@ -61,13 +59,6 @@ def build(size: str, layers: int | None) -> Path:
     return folder
 
 
-def run(step: str, recipe: Path, out: Path) -> dict:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    subprocess.run([sys.executable, "-m", "wscompress.cli", step, str(recipe), "-o", str(out), "-q"], check=True,
-                   env=env, cwd=REPO)
-    return json.loads((out / "reports" / f"{step}.json").read_text())
-
-
 def digest(folder: Path) -> str:
     """Short sha1 of the written weight files, so offloaded and in-memory outputs can be compared."""
     h = hashlib.sha1()
@@ -79,17 +70,23 @@ def digest(folder: Path) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__, out="bench-scale")
     ap.add_argument("--sizes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--methods", nargs="+", default=list(STAGES), choices=list(STAGES))
     ap.add_argument("--offload", nargs="+", default=["none", "disk"], choices=["none", "cpu", "disk"])
     ap.add_argument("--layers", type=int, nargs="+", default=[None], help="override the depth (e.g. 11 22)")
-    ap.add_argument("--out", type=Path, default=REPO / "outputs" / "bench-scale")
+    ap.add_argument("--dry-run", action="store_true", help="svd (uniform ranks, no refit) on a toy model, in memory "
+                    "and from disk, calibrated on a short text: checks the script in a minute")
     args = ap.parse_args()
+    stages = STAGES
+    if args.dry_run:  # svd without its calibrated allocation and refit: seconds, not the quality, are checked
+        args.sizes, args.layers, args.methods, args.offload = ["toy"], [None], ["svd"], ["none", "disk"]
+        stages = {"svd": {**STAGES["svd"], "allocation": "uniform", "refit": False}}
     rows = []
     for size in args.sizes:
         for layers in args.layers:
-            folder = build(size, layers)
+            folder = toy_model(args.out / "toy") if size == "toy" else build(size, layers)
+            text = str(folder / "calibration.txt") if size == "toy" else "builtin:wiki.train"
             weights = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
             for method in args.methods:
                 for offload in args.offload:
@@ -99,10 +96,10 @@ def main() -> None:
                     recipe = out / "recipe.yaml"
                     recipe.write_text(yaml.safe_dump({
                         "model": {"path": str(folder), "offload": offload},
-                        "calibration": {"dataset": "builtin:wiki.train",
+                        "calibration": {"dataset": text,
                                         "num_samples": 8, "seq_len": 256, "batch_size": 4},
-                        "compress": [STAGES[method]], "output": {"dir": str(out), "max_shard_size": "512MB"}}))
-                    calib, comp = run("calibrate", recipe, out), run("compress", recipe, out)
+                        "compress": [stages[method]], "output": {"dir": str(out), "max_shard_size": "512MB"}}))
+                    calib, comp = step("calibrate", recipe, out), step("compress", recipe, out)
                     peak = max(calib["peak_memory_mb"], comp["peak_memory_mb"]) * 2**20
                     rows.append({"model": folder.name, "weights GB": round(weights / 1e9, 2), "method": method,
                                  "offload": offload, "calibrate s": calib["seconds"],
@@ -114,12 +111,8 @@ def main() -> None:
                                  "output sha1": digest(out / "model")})
                     print(rows[-1], flush=True)
                     shutil.rmtree(out / "model", ignore_errors=True)  # GBs each: the reports stay
-    cols = list(rows[0])
-    table = "\n".join(["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)] +
-                      ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows])
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.md").write_text(table + "\n")
-    print(table)
+    write_results(args.out, {"rows": rows}, markdown(rows))
+    print(markdown(rows))
 
 
 if __name__ == "__main__":

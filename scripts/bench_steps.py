@@ -7,23 +7,18 @@ the step's own report: CUDA's peak allocation on a GPU, the process's peak RSS o
 
 Writes outputs/bench_steps/results.{json,md} and prints the table.
 Usage: python scripts/bench_steps.py [--recipes basis_sharing svd_llm kmeans recovery] [--finetune-steps 100]
+       python scripts/bench_steps.py --dry-run   (the recovery recipe's steps and bench on a toy model: the suite runs it)
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import torch
 
-from wscompress.io.ui import markdown_table
+from _common import markdown, parser, step, toy_model, toy_sets, write_results
 
-REPO = Path(__file__).resolve().parents[1]
 RECIPES = {  # key -> (label, recipe, steps)
     "basis_sharing": ("Basis Sharing 20 %, group 2", "configs/basis_sharing.yaml", ["calibrate", "compress", "eval"]),
     "svd_llm": ("SVD-LLM 20 %", "configs/svd_llm.yaml", ["calibrate", "compress", "eval"]),
@@ -32,16 +27,6 @@ RECIPES = {  # key -> (label, recipe, steps)
                  ["calibrate", "compress", "finetune", "eval"]),
 }
 BENCHED = ["basis_sharing", "kmeans"]
-
-
-def cli(step: str, recipe: str, out: Path, sets: list[str]) -> tuple[float, dict]:
-    """Run one step in a fresh process; (wall seconds, its report)."""
-    cmd = [sys.executable, "-m", "wscompress.cli", step, recipe, "-o", str(out), "-q"]
-    for s in sets:
-        cmd += ["--set", s]
-    start = time.perf_counter()
-    subprocess.run(cmd, check=True, cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
-    return time.perf_counter() - start, json.loads((out / "reports" / f"{step}.json").read_text())
 
 
 def result_of(step: str, rep: dict) -> str:
@@ -55,37 +40,44 @@ def result_of(step: str, rep: dict) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__, out="bench_steps")
     ap.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=list(RECIPES))
     ap.add_argument("--finetune-steps", type=int, default=100, help="the recovery recipe's training steps (its own "
                     "budget is 30 minutes)")
-    ap.add_argument("--out", type=Path, default=REPO / "outputs" / "bench_steps")
+    ap.add_argument("--dry-run", action="store_true", help="the recovery recipe through every step and bench on a toy "
+                    "model, a few short calibration windows and training sequences: checks the script in a minute")
     args = ap.parse_args()
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)"
+    toy, benched = [], BENCHED
+    if args.dry_run:  # one recipe through every step, then bench
+        folder = toy_model(args.out / "toy")
+        toy = [*toy_sets(folder), f"finetune.dataset={folder / 'calibration.txt'}", "finetune.seq_len=64",
+               "finetune.batch_size=2", "finetune.eval_every=1", "finetune.eval_windows=1",
+               "finetune.distill.layerwise_steps=2", "finetune.distill.layerwise_samples=4", "bench.batch_sizes=[1]",
+               "bench.repeats=1", "bench.breakdown=false"]
+        args.recipes, args.finetune_steps, benched = ["recovery"], 2, ["recovery"]
     sets = [f"finetune.steps={args.finetune_steps}", "finetune.max_minutes=null"]
 
     rows, bench, timing = [], [], ""
     for key in args.recipes:
         label, recipe, steps = RECIPES[key]
         run = args.out / key
-        for step in steps:
-            seconds, rep = cli(step, recipe, run, sets if key == "recovery" else [])
-            rows.append({"recipe": label, "step": step, "seconds": round(seconds, 1),
-                         "peak MB": rep.get("peak_memory_mb"), "result": result_of(step, rep)})
+        for command in steps:
+            rep = step(command, recipe, run, toy + (sets if key == "recovery" else []))
+            rows.append({"recipe": label, "step": command, "seconds": round(rep["wall_s"], 1),
+                         "peak MB": rep.get("peak_memory_mb"), "result": result_of(command, rep)})
             print(rows[-1], flush=True)
-        if key in BENCHED:
-            _, rep = cli("bench", recipe, run, [])
+        if key in benched:
+            rep = step("bench", recipe, run, toy)
             timing = rep["timing"]
             for row in rep["table"]:
                 bench.append({"model": label, **row})
             bench.append({"model": label, "measure": "kernel path", "original": rep["kernels"]["original"],
                           "compressed": rep["kernels"]["compressed"]})
     md = "\n\n".join([f"Each step as a fresh `wscompress` process on {device}; seconds include start-up and loading",
-                      markdown_table(rows), f"`wscompress bench` on {device} (prefill 128 tokens, decode 16, timing: {timing})",
-                      markdown_table(bench)]) if bench else markdown_table(rows)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps({"device": device, "steps": rows, "bench": bench}, indent=1))
-    (args.out / "results.md").write_text(md + "\n")
+                      markdown(rows), f"`wscompress bench` on {device} (prefill 128 tokens, decode 16, timing: {timing})",
+                      markdown(bench)]) if bench else markdown(rows)
+    write_results(args.out, {"device": device, "steps": rows, "bench": bench}, md)
     print(md)
 
 

@@ -41,8 +41,9 @@ import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling benchmark's helpers
-from bench_runtime import (LAYER_COLS, LAYER_SHAPES, MODELS, RECIPES, best_seconds, graph_decode_seconds,  # noqa: E402
-                           layer_rows, markdown, random_layout, random_palettized)
+from _common import REPO, markdown, write_results  # noqa: E402
+from bench_runtime import (LAYER_COLS, LAYER_SHAPES, MODELS, RECIPES, TOY_SHAPES, best_seconds,  # noqa: E402
+                           graph_decode_seconds, layer_rows, random_layout, random_palettized)
 
 from wscompress import kernels  # noqa: E402
 from wscompress.evaluation.decode import StaticDecoder  # noqa: E402
@@ -54,7 +55,6 @@ from wscompress.model.modeling_wscompress import LowRankLinear  # noqa: E402
 from wscompress.recipe.load import load_recipe  # noqa: E402
 from wscompress.workflow import step_calibrate, step_compress  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
 LLAMA_7B = dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
                 num_key_value_heads=32, vocab_size=32000, tie_word_embeddings=False)
 SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
@@ -92,7 +92,7 @@ def random_model(shape: dict, device: torch.device, dtype: torch.dtype) -> Llama
 
 
 def products(device: torch.device, dtype: torch.dtype, dry: bool) -> tuple[str, list[dict], list[str]]:
-    shapes = [(128, 256), (256, 128)] if dry else LAYER_SHAPES
+    shapes = TOY_SHAPES if dry else LAYER_SHAPES
     rows = layer_rows(device, dtype, copy_bandwidth(device), device.type == "cuda", shapes)
     cols = [c for c in LAYER_COLS if any(c in r for r in rows)]
     return "One product at batch 1 (random weights; bound = weight bytes / copy bandwidth)", rows, cols
@@ -264,8 +264,7 @@ def main() -> None:
         parts.append(f"## {part} ({time.perf_counter() - began:.0f} s)\n\n{title}\n\n{markdown(rows, cols)}")
         (args.out / "gpu_check.md").write_text("\n\n".join(parts) + "\n")  # what is done so far, part by part
         print(parts[-1], flush=True)
-    (args.out / "gpu_check.json").write_text(json.dumps(results, indent=1))
-    (args.out / "gpu_check.md").write_text("\n\n".join(parts) + "\n")
+    write_results(args.out, results, "\n\n".join(parts), stem="gpu_check")
 
 
 if __name__ == "__main__":

@@ -47,14 +47,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench_runtime import MODELS, RECIPES, build, markdown, timings
+from _common import REPO, cpu_line, markdown, write_results
+from bench_runtime import MODELS, RECIPES, build, timings
 from wscompress.evaluation.decode import StaticDecoder
 from wscompress.io import storage
 from wscompress.io.checkpoints import builtin_dir, load_model
-from wscompress.io.hardware import cpu_name, vector_flags
 from wscompress.recipe.load import load_recipe
 
-REPO = Path(__file__).resolve().parents[1]
 NODE_LLAMA_CPP = "node-llama-cpp@3.21.1"
 QUANTS = ("Q4_0", "Q8_0", "F16")
 PROMPT, DECODE, PREFILL = 32, 16, 128
@@ -324,7 +323,7 @@ def main() -> None:
                 row["prefill x Q4_0"] = round(base["prefill"] / r["prefill"], 2)
             rows.append(row)
             print(row, flush=True)
-    flags, cpu = vector_flags(), cpu_name()
+    cpu = cpu_line()
     cols = ["threads", "engine, model", "weight MB", "decode tok/s", "compiled decode tok/s", "decode GB/s",
             "decode x Q4_0", "prefill tok/s", "prefill x Q4_0"]
     made = f"made from {source.name}" if real else f"with random weights and {source.name}'s tokenizer"
@@ -332,12 +331,11 @@ def main() -> None:
                                                      f"hidden {shape['hidden']}) of {shape['title']}")
     md = (f"{title}, batch 1: {DECODE} tokens decoded greedily after a {PROMPT}-token prompt, prefill of "
           f"{PREFILL} tokens; best of {args.rounds} rounds, engines one after the other; llama.cpp through {NODE_LLAMA_CPP} "
-          f"(prebuilt CPU binary), GGUF {made} by gguf-py; CPU: {cpu}, flags: {flags}. `decode x Q4_0` and "
+          f"(prebuilt CPU binary), GGUF {made} by gguf-py; CPU: {cpu}. `decode x Q4_0` and "
           "`decode GB/s` (weight bytes, wscompress's resident ones and llama.cpp's file, times decode tokens/s) take "
           "wscompress's faster path (eager or compiled).\n\n" + markdown(rows, cols))
-    (args.out / f"results-{args.shape}.json").write_text(json.dumps(
-        {"shape": args.shape, "dry_run": args.dry_run, "rows": rows, "cpu": cpu, "flags": flags}, indent=1))
-    (args.out / f"results-{args.shape}.md").write_text(md + "\n")
+    write_results(args.out, {"shape": args.shape, "dry_run": args.dry_run, "rows": rows, "cpu": cpu}, md,
+                  stem=f"results-{args.shape}")
     print(md)
 
 
