@@ -25,7 +25,7 @@ def test_bench_compares_original_and_compressed(tmp_path, tiny_dir, tokenizer):
                           "bench": {"batch_sizes": [1, 2], "seq_lens": [16], "decode_tokens": 2, "warmup": 0, "repeats": 1}})
     out = step_bench(r)
     rows = {row["measure"]: row for row in out["table"]}
-    assert list(rows) == ["params", "weights MB", "resident weights MB", "file MB", "load s", "peak memory MB",
+    assert list(rows) == ["weights MB", "bits a weight", "params", "resident weights MB", "file MB", "load s", "peak memory MB",
                           "prefill tok/s b1 s16", "decode tok/s b1 s16", "prefill tok/s b2 s16", "decode tok/s b2 s16"]
     assert rows["params"]["compressed"] == saved["params"] < rows["params"]["original"]
     assert rows["file MB"]["compressed"] * 2**20 == saved["file_bytes"]
@@ -74,7 +74,7 @@ def test_throughput_without_decode_and_table_of_one_model():
     model = tiny_model("gpt2")  # Conv1D projections, learned positions
     row = bench.throughput(model, 2, 8, BenchConfig(decode_tokens=0, warmup=0, repeats=1))
     assert list(row) == ["prefill_tok_s"] and row["prefill_tok_s"] > 0
-    result = {"params": 1, "weights_mb": 1.0, "resident_mb": 1.0, "file_mb": None, "load_s": 0.1, "peak_memory_mb": 5.0,
+    result = {"params": 1, "weights_mb": 1.0, "bits_per_weight": 32.0, "resident_mb": 1.0, "file_mb": None, "load_s": 0.1, "peak_memory_mb": 5.0,
               "shapes": [{"batch": 2, "seq_len": 8, **row}]}
     rows = bench.comparison_rows({"original": result})
     assert [r["measure"] for r in rows][-1] == "prefill tok/s b2 s8" and all("compressed/original" not in r for r in rows)
