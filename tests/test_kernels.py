@@ -76,14 +76,45 @@ def test_vector_codebooks_equal_the_reference_path(d, bits, group_size, outliers
 
 
 @pytest.mark.skipif(kernels.lut() is None, reason="kernels not built here")
-def test_pairs_of_6_bit_indices_are_held_once():
-    """The 3-bit recipe's layout (pairs of weights, 6-bit indices) is read by the CPU kernels
-    as stored: its kernel layout is the stored tensor itself, not a byte a pair beside it."""
+def test_pairs_of_6_bit_indices_are_held_once_where_byte_products_read_them():
+    """The 3-bit recipe's layout (pairs of weights, 6-bit indices): where the byte products
+    spread them (AVX-512 VBMI), the kernel layout is the stored tensor itself; elsewhere a byte
+    a pair beside it, which the AVX2 float path reads faster."""
     lin = layer(6, 8, inp=64, outliers=4, d=2)
     with torch.no_grad():
         lin(torch.randn(1, 64))
     layout = lin.kernel_layout()
-    assert layout.width == 6 and layout.indices.data_ptr() == lin.indices.data_ptr()
+    if kernels.six_bit_pairs():
+        assert layout.width == 6 and layout.indices.data_ptr() == lin.indices.data_ptr()
+    else:
+        assert layout.width == 8 and layout.indices.numel() == lin.out_features * 32  # a byte a pair
+
+
+@pytest.mark.skipif(kernels.lut() is None, reason="kernels not built here")
+@pytest.mark.parametrize("rows, inp", [(1, 64), (3, 96), (DECODE_ROWS + 1, 160)])
+def test_the_6_bit_operators_equal_the_byte_ones(rows, inp):
+    """Every operator reads pairs' 6-bit indices as stored (four in three bytes) exactly as it
+    reads the same indices a byte each: float products, dense decodes (float and int8) and,
+    where the build has them, byte products."""
+    from wscompress.model.modeling_wscompress import pack, round_tables
+
+    gen = torch.Generator().manual_seed(3)
+    idx = torch.randint(0, 64, (48, inp // 2), generator=gen)
+    tables = torch.randn(6, 64, 2, generator=gen)
+    six, byte = pack(idx, 6), idx.to(torch.uint8).flatten()
+    none = torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int32), torch.empty(0)
+    x = torch.randn(rows, inp, generator=gen)
+    ops = torch.ops.wscompress
+    for width, indices in ((6, six), (8, byte)):
+        y = ops.lut_linear(x, indices, tables, width, 8, 48, *none)
+        dense = ops.lut_dense(indices, tables, width, 8, 48, inp, *none)
+        i8 = ops.lut_dense_i8(indices, (tables * 40).round().to(torch.int8), width, 8, 48, inp)
+        q8 = ops.lut_linear_q8(x[:8], indices, *round_tables(tables, width), width, 8, 48, *none) \
+            if kernels.q8(6) and kernels.q8(8) else None
+        if width == 6:
+            first = y, dense, i8, q8
+    assert torch.equal(first[0], y) and torch.equal(first[1], dense) and torch.equal(first[2], i8)
+    assert first[3] is None or torch.equal(first[3], q8)
 
 
 @pytest.mark.skipif(kernels.lut() is None, reason="kernels not built here")
@@ -257,7 +288,8 @@ def test_the_avx2_build_decodes_nibbles_on_8_bit_activations():
              "and not kernels.q8(8), kernels.status()")
     assert subprocess.run([sys.executable, "-c", check], env=env).returncode == 0
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(here / "test_kernels.py"),
-                          "-k", "8_bit_activations_computes or lut_matmul_equals or vector_codebooks_equal or half_weights"],
+                          "-k", "8_bit_activations_computes or lut_matmul_equals or vector_codebooks_equal or half_weights "
+                          "or 6_bit"],
                          env=env, cwd=here.parent, capture_output=True, text=True)
     assert run.returncode == 0 and " passed" in run.stdout, run.stdout[-3000:]
 

@@ -412,5 +412,17 @@ def half_linear(x: torch.Tensor, weight16: torch.Tensor, bias: torch.Tensor | No
     return module.half_linear(x, weight16, bias)
 
 
+def six_bit_pairs() -> bool:
+    """Whether the CPU kernels read pairs' 6-bit indices as stored (the 3-bit recipe, held once):
+    where their byte products spread them (AVX-512 BW/VBMI/VNNI, this CPU's own build, byte
+    products on). The float path spreads them too, but 8 at a time: with AVX2 it decoded at
+    0.62-0.72x a byte a pair (docs/runtime.md), so there the layout keeps a byte a pair."""
+    from ..io.hardware import cpu_flags
+
+    return (not _disabled() and _march() == "native" and os.environ.get("WSCOMPRESS_Q8", "1") != "0"
+            and {"avx512bw", "avx512vbmi", "avx512_vnni"} <= cpu_flags())
+
+
 # the compressed layers (modeling_wscompress) call these where they apply, their torch path elsewhere
 modeling_wscompress.KERNELS.update(palettized=palettized_linear, low_rank=low_rank_linear, half=half_linear)
+modeling_wscompress.SIX_BIT_PAIRS = ("cpu",) if six_bit_pairs() else ()

@@ -212,8 +212,9 @@ class SparseRows(NamedTuple):
 
 
 # devices whose kernels read pairs' 6-bit indices (the 3-bit recipe) as stored, so that they are
-# held once, in 3 bits a weight; elsewhere (Triton) the layout spreads them to a byte each
-SIX_BIT_PAIRS = ("cpu",)
+# held once, in 3 bits a weight (wscompress.kernels sets it where they do it fast); elsewhere the
+# layout spreads them to a byte each
+SIX_BIT_PAIRS: tuple[str, ...] = ()
 
 
 class KernelLayout(NamedTuple):
@@ -762,7 +763,7 @@ class PalettizedLinear(CompressedLinear):
                                                           params.get("scale")) if t is not None]
         if getattr(self, "_layout_key", None) != key:
             idx = self.index_matrix()
-            stored = self.bits in (4, 8) or (self.bits == 6 and d == 2 and cols % 4 == 0
+            stored = self.bits in (4, 8) or (self.bits == 6 and d == 2 and self.in_features % 32 == 0
                                              and self.indices.device.type in SIX_BIT_PAIRS)
             width = self.bits if stored else 4 if self.bits <= 4 else 8
             layout = self.indices if stored else pack(idx, 4) if width == 4 else idx.to(torch.uint8).flatten()
