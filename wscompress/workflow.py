@@ -236,10 +236,7 @@ def step_compress(recipe: Recipe) -> dict:
            "peak_memory_mb": round(report.peak_memory_mb(), 1)}
     report.write(recipe.out, "compress", out, recipe_dict(recipe))
     report.write_model_card(recipe.out)
-    ui.show("compress", [{"model": label, "MB": round(size["tensor_bytes"] / 2**20, 1),
-                          "bits a weight": round(size["bits_per_weight"], 3), "parameters": size["params"],
-                          "file MB": round(size["file_bytes"] / 2**20, 1) if "file_bytes" in size else "-"}
-                         for label, size in (("original", original), ("compressed", saved))])
+    ui.show("compress", report.size_rows(out))
     return out
 
 

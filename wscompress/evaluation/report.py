@@ -106,15 +106,13 @@ def write(out_dir: str | Path, name: str, payload: dict, recipe: dict | None = N
 CARD = "README.md"
 
 
-def size_table(compress: dict) -> str:
-    """A compress report's sizes, bytes first: MB and bits a weight, then the parameters."""
-    rows = []
-    for label in ("original", "compressed"):
-        s = compress[label]
-        rows.append({"model": label, "tensor MB": round(s["tensor_bytes"] / 2**20, 1),
-                     "file MB": round(s["file_bytes"] / 2**20, 1) if "file_bytes" in s else "-",
-                     "bits a weight": round(s["bits_per_weight"], 3), "parameters": s["params"]})
-    return markdown_table(rows)
+def size_rows(compress: dict) -> list[dict]:
+    """A compress report's sizes (its ``original`` and ``compressed`` entries), bytes first: MB
+    and bits a weight, then the parameters."""
+    return [{"model": label, "tensor MB": round(s["tensor_bytes"] / 2**20, 1),
+             "file MB": round(s["file_bytes"] / 2**20, 1) if "file_bytes" in s else "-",
+             "bits a weight": round(s["bits_per_weight"], 3), "parameters": s["params"]}
+            for label, s in (("original", compress["original"]), ("compressed", compress["compressed"]))]
 
 
 def _fresh(report: Path, model: Path) -> bool:
@@ -157,7 +155,7 @@ def model_card(out_dir: str | Path) -> str | None:
              'tokenizer = AutoTokenizer.from_pretrained("PATH")', "```", "",
              "Without wscompress installed: `AutoModelForCausalLM.from_pretrained(PATH, trust_remote_code=True)` runs "
              "the torch code in `modeling_wscompress.py` (same logits, no compiled kernels).", "",
-             "## Size", "", size_table(compress), "",
+             "## Size", "", markdown_table(size_rows(compress)), "",
              f"{compress['size_ratio']:.1%} of the original's bytes ({compress['compressed']['bits_per_weight']:.2f} bits "
              f"a weight). Parameters are the dense-equivalent count: a palettized weight counts as one.", "",
              "## Methods", "", markdown_table([{"stage": s["stage"], "method": s["method"],
