@@ -42,6 +42,7 @@ LAYOUTS = {  # label -> (index width, weights an index, table entries); tables p
     "scalar 8-bit (bytes)": (8, 1, 256),
     "2-d, 8-bit indices (4-bit recipe)": (8, 2, 256),
     "2-d, 6-bit indices (3-bit recipe)": (8, 2, 64),
+    "4-d, 8-bit indices (2-bit recipe)": (8, 4, 256),
 }
 SHAPES = [(576, 576), (1536, 576), (576, 1536), (4096, 4096)]  # (out, in)
 HEADS = [(49152, 576), (1536, 576)]  # the float16 head's products: SmolLM2's head, and a smaller one

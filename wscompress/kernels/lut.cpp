@@ -320,9 +320,15 @@ torch::Tensor run(const torch::Tensor& x, const torch::Tensor& idx, const torch:
 // the sums in one instruction. On AVX2 nibble tables take VPSHUFB and VPMADDUBSW; there byte
 // indices keep the float path, which was faster than a gather or 16 loads a block. Layouts:
 // scalar nibble tables (width 4, D 1), and on AVX-512 byte indices of single weights (5-8-bit
-// scalar tables) and of pairs (the 3- and 4-bit recipes; the 3-bit one's 6-bit indices spread
-// to bytes by a byte permute and VPMULTISHIFTQB); rows of a multiple of 32 weights.
+// scalar tables), of pairs (the 3- and 4-bit recipes; the 3-bit one's 6-bit indices spread
+// to bytes by a byte permute and VPMULTISHIFTQB) and of 4-d vectors (the 2-bit recipe); rows of a
+// multiple of 32 weights.
 constexpr int QBLOCK = 32;  // weights an activation scale covers
+
+// Components an index byte's products take: the two weights of a nibble byte, or the D weights a
+// byte index names (D 1: every weight in order).
+template <int W, int D>
+constexpr int components() { return W == 4 ? 2 : D; }
 
 #if defined(__AVX512BW__) && defined(__AVX512VBMI__) && defined(__AVX512VNNI__)
 #define WSCOMPRESS_Q8_512
@@ -339,11 +345,11 @@ constexpr bool Q8_OFFSET = false;  // VPMADDUBSW takes them signed (the sign tri
 // Input rows as the kernel reads them: each value x of a block of 32 is s (q1 + q2 / 256) with
 // s = the block's largest magnitude / 127 and q1, q2 signed bytes (q2 rounds what q1 left, so
 // the row keeps about 16 bits: 8 alone cost 0.15 % of perplexity, docs/runtime.md). at(c, t, m):
-// term t (q1, q2) of row m for component c: the weights a byte's first and second components
-// multiply (x[2q], x[2q + 1]: nibble layouts hold weights 2q and 2q + 1 in byte q, pairs
-// layouts index q names them), or with `natural` (a byte a weight, one component) all of them in
-// order; zero-padded to whole steps. `lane`: s / 256 for each sum lane (4 bytes: 8 weights, or
-// 4 in order); `offset` (AVX-512): what the tables' hi bytes add to each lane's integer sum (VPDPBUSD
+// term t (q1, q2) of row m for component c of C: the weights that component of an index byte
+// multiplies (x[C q + c]: nibble layouts hold weights 2q and 2q + 1 in byte q, pairs and 4-d
+// vectors are the C weights index q names, a byte a weight (C 1) is every weight in order);
+// zero-padded to whole steps. `lane`: s / 256 for each sum lane (4 index bytes: 4 C weights);
+// `offset` (AVX-512): what the tables' hi bytes add to each lane's integer sum (VPDPBUSD
 // takes them unsigned, hi + 128), taken away before the sum becomes a float, where it would
 // cancel against the sum's digits.
 struct Q8X {
@@ -352,10 +358,10 @@ struct Q8X {
   std::vector<float> lane;
   std::vector<int32_t> offset;  // AVX-512 only (empty on AVX2, whose VPMADDUBSW takes hi signed)
 
-  Q8X(const float* x, int64_t M, int64_t in, bool natural)
-      : span(((natural ? in : in / 2) + QSTEP - 1) / QSTEP * QSTEP), lanes(span / 4), parts(natural ? 1 : 2),
+  Q8X(const float* x, int64_t M, int64_t in, int C)
+      : span((in / C + QSTEP - 1) / QSTEP * QSTEP), lanes(span / 4), parts(C),
         bytes(M * 2 * parts * span), lane(M * lanes), offset(Q8_OFFSET ? M * lanes : 0) {
-    const int per_block = natural ? QBLOCK / 4 : QBLOCK / 8;  // lanes a block
+    const int per_block = QBLOCK / (4 * C);  // lanes a block
     std::vector<int8_t> q1(in), q2(in);
     for (int64_t m = 0; m < M; ++m) {
       for (int64_t b = 0; b < in / QBLOCK; ++b) {
@@ -370,7 +376,7 @@ struct Q8X {
         }
         for (int l = 0; l < per_block; ++l) lane[m * lanes + b * per_block + l] = scale / 256.f;
       }
-      // a lane's weights: 8 (2 a byte) from weight 8 l, or 4 in order; hi counts 4096 q1 + 16 q2
+      // a lane's weights: 4 C from weight 4 C l; hi counts 4096 q1 + 16 q2
       if constexpr (Q8_OFFSET) {
         const int64_t per_lane = QBLOCK / per_block;
         for (int64_t l = 0; l < in / per_lane; ++l) {
@@ -381,10 +387,10 @@ struct Q8X {
       }
       for (int t = 0; t < 2; ++t) {
         const int8_t* q = t ? q2.data() : q1.data();
-        if (natural)
-          std::copy(q, q + in, at(0, t, m));
-        else
-          for (int64_t j = 0; j < in / 2; ++j) at(0, t, m)[j] = q[2 * j], at(1, t, m)[j] = q[2 * j + 1];
+        for (int c = 0; c < C; ++c) {
+          int8_t* dst = at(c, t, m);
+          for (int64_t j = 0; j < in / C; ++j) dst[j] = q[C * j + c];
+        }
       }
     }
   }
@@ -403,21 +409,22 @@ inline void q8_store(float sum, Sparse sp, const float* x, float* y, int64_t r) 
 #ifdef WSCOMPRESS_Q8_512
 // A group's table in registers: each value v (12 bits, see round_tables) as 16 hi + lo, hi a
 // signed byte held unsigned (hi + 128: VPDPBUSD's unsigned operand) and lo in 0..15. Byte
-// indices: component c of entry e is byte e of hi[4c .. 4c + 3], the lo nibbles of both
-// components byte e of lo[0 .. 3] (component c at bit 4c); nibbles: entry e is byte e of every
-// 128-bit lane of hi[0] and lo[0].
+// indices: component c of entry e is byte e of hi[4c .. 4c + 3], its lo nibble byte e of
+// lo[4 (c / 2) .. 4 (c / 2) + 3] at bit 4 (c % 2) (two components a byte); nibbles: entry e is
+// byte e of every 128-bit lane of hi[0] and lo[0].
 template <int W, int D>
 struct Q8Table {
-  __m512i hi[W != 4 ? 4 * D : 1], lo[W != 4 ? 4 : 1];
+  static constexpr int LO = (D + 1) / 2;  // lo bytes an entry
+  __m512i hi[W != 4 ? 4 * D : 1], lo[W != 4 ? 4 * LO : 1];
   float scale;
 
-  // q: the group's hi bytes (component-major, D x 256 or 16 for nibbles), then its lo bytes (256, or 16)
+  // q: the group's hi bytes (component-major, D x 256 or 16 for nibbles), then its lo bytes (LO x 256, or 16)
   void load(const int8_t* q, float scale_) {
     scale = scale_;
     const __m512i offset = _mm512_set1_epi8(static_cast<char>(0x80));
     if constexpr (W != 4) {
       for (int i = 0; i < 4 * D; ++i) hi[i] = _mm512_xor_si512(_mm512_loadu_si512(q + 64 * i), offset);
-      for (int i = 0; i < 4; ++i) lo[i] = _mm512_loadu_si512(q + 256 * D + 64 * i);
+      for (int i = 0; i < 4 * LO; ++i) lo[i] = _mm512_loadu_si512(q + 256 * D + 64 * i);
     } else {
       hi[0] = _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))), offset);
       lo[0] = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)));
@@ -425,9 +432,9 @@ struct Q8Table {
   }
 
   // the hi and lo bytes of the components of 64 index bytes (n of them real, the rest read as 0;
-  // 6-bit indices: 64 indices from 48 bytes, n of them real): two components for nibbles
-  // (weights 2q, 2q + 1) and pairs, one for single weights by byte
-  inline void decode(const uint8_t* p, int64_t n, __m512i (&h)[2], __m512i (&l)[2]) const {
+  // 6-bit indices: 64 indices from 48 bytes, n of them real): components<W, D>() of them
+  inline void decode(const uint8_t* p, int64_t n, __m512i (&h)[components<W, D>()],
+                     __m512i (&l)[components<W, D>()]) const {
     __m512i id;
     if constexpr (W == 6) {  // bytes 6k .. 6k + 5 to quadword k, then each index's 6 bits to a byte of its own
       alignas(64) static constexpr uint8_t gather[64] = {
@@ -448,10 +455,14 @@ struct Q8Table {
         return _mm512_mask_blend_epi8(high, _mm512_permutex2var_epi8(t[0], id, t[1]), _mm512_permutex2var_epi8(t[2], id, t[3]));
       };
       for (int c = 0; c < D; ++c) h[c] = look(hi + 4 * c);
-      l[0] = look(lo);
-      if constexpr (D == 2) {
+      if constexpr (D == 1) {
+        l[0] = look(lo);  // its high nibble is zero
+      } else {
         const __m512i nibble = _mm512_set1_epi8(15);
-        l[1] = _mm512_and_si512(_mm512_srli_epi16(l[0], 4), nibble), l[0] = _mm512_and_si512(l[0], nibble);
+        for (int b = 0; b < LO; ++b) {
+          const __m512i both = look(lo + 4 * b);
+          l[2 * b] = _mm512_and_si512(both, nibble), l[2 * b + 1] = _mm512_and_si512(_mm512_srli_epi16(both, 4), nibble);
+        }
       }
     } else {
       const __m512i nibble = _mm512_set1_epi8(15);
@@ -465,11 +476,10 @@ struct Q8Table {
 template <int W, int D, int M, int N>
 inline void q8_block(const Q8Table<W, D>& tab, const Q8X& x, const uint8_t* idx, int64_t row_bytes, Sparse sp,
                      const float* xf, int64_t in, int64_t out, float* y, int64_t r) {
-  constexpr bool natural = W == 8 && D == 1;
   __m512 acc[N][M];
   for (int i = 0; i < N; ++i)
     for (int m = 0; m < M; ++m) acc[i][m] = _mm512_setzero_ps();
-  constexpr int C = natural ? 1 : 2;  // components a byte
+  constexpr int C = components<W, D>();
   const int64_t units = W == 6 ? row_bytes / 3 * 4 : row_bytes;  // index bytes a row as decoded (6 bits: one a byte)
   for (int64_t q = 0; q < units; q += 64) {
     const int64_t at = W == 6 ? q / 4 * 3 : q;  // where they are stored
@@ -482,16 +492,18 @@ inline void q8_block(const Q8Table<W, D>& tab, const Q8X& x, const uint8_t* idx,
       off[m] = _mm512_loadu_si512(x.offset.data() + m * x.lanes + q / 4);
     }
     for (int i = 0; i < N; ++i) {
-      __m512i h[2], l[2];
+      __m512i h[C], l[C];
       tab.decode(idx + (r + i) * row_bytes + at, units - q, h, l);
       prefetch(idx + (r + i + N) * row_bytes + at);
       for (int m = 0; m < M; ++m) {
-        auto dot = [&](const __m512i (&w)[2], int t) {  // the components' sums against term t
+        auto dot = [&](const __m512i (&w)[C], int t) {  // the components' sums against term t
           __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], xs[m][t][0]);
-          if constexpr (C == 2) d = _mm512_dpbusd_epi32(d, w[1], xs[m][t][1]);
+          for (int c = 1; c < C; ++c) d = _mm512_dpbusd_epi32(d, w[c], xs[m][t][c]);
           return d;
         };
-        // (16 hi + lo)(256 q1 + q2) without lo q2, which stays below 2^-12 of the largest product
+        // (16 hi + lo)(256 q1 + q2) without lo q2, which stays below 2^-12 of the largest product;
+        // in 32-bit lanes that wrap (with 4-d vectors the unsigned hi's sums may pass 2^31 before
+        // the offset is taken away; the result, below 2^31, comes out exact)
         const __m512i first = _mm512_add_epi32(_mm512_slli_epi32(dot(h, 0), 4), dot(l, 0));
         const __m512i d = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(first, 8), _mm512_slli_epi32(dot(h, 1), 4)), off[m]);
         acc[i][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), sc[m], acc[i][m]);
@@ -565,7 +577,7 @@ inline void q8_block(const Q8Table<W, D>& tab, const Q8X& x, const uint8_t* idx,
 template <int W, int D, int M, int R>
 void q8_rows(const Q8X& x, const float* xf, const uint8_t* idx, const int8_t* tables, const float* scales, int64_t gs,
              int64_t in, int64_t out, Sparse sp, float* y, int64_t r0, int64_t r1) {
-  constexpr int64_t size = W != 4 ? 256 * D + 256 : 32;  // a group's table: hi and lo bytes
+  constexpr int64_t size = W != 4 ? 256 * (D + (D + 1) / 2) : 32;  // a group's table: hi and lo bytes
   const int64_t row_bytes = in * W / 8 / D;
   Q8Table<W, D> tab;
   int64_t loaded = -1;
@@ -586,7 +598,7 @@ template <int W, int D, int M>
 void q8_gemv(const float* xf, const uint8_t* idx, const int8_t* tables, const float* scales, int64_t gs, int64_t in,
              int64_t out, Sparse sp, float* y) {
   constexpr int R = M == 1 || M == 2 ? 4 : M <= 4 ? 2 : 1;
-  const Q8X x(xf, M, in, W == 8 && D == 1);
+  const Q8X x(xf, M, in, components<W, D>());
   at::parallel_for(0, out, 64, [&](int64_t r0, int64_t r1) { q8_rows<W, D, M, R>(x, xf, idx, tables, scales, gs, in, out, sp, y, r0, r1); });
 }
 #endif  // WSCOMPRESS_Q8
@@ -724,9 +736,9 @@ bool lut_q8(int64_t width) {
 }
 
 // lut_linear on 8-bit activations: tables int8 from round_tables, each group's values over its
-// scale (scales (groups) float32) as hi bytes (D, K) and lo nibbles (K), K = 16 for nibbles
-// (width 4, D 1), 256 for byte indices (width 8) of D = 1 or 2 weights; rows of a multiple of 32
-// weights (see lut_q8).
+// scale (scales (groups) float32) as hi bytes (D, K) and lo nibbles (two components a byte:
+// ceil(D / 2), K), K = 16 for nibbles (width 4, D 1), 256 for byte indices (width 8) of D = 1, 2
+// or 4 weights; rows of a multiple of 32 weights (see lut_q8).
 torch::Tensor lut_linear_q8(torch::Tensor x, torch::Tensor idx, torch::Tensor tables, torch::Tensor scales,
                             int64_t width, int64_t group_size, int64_t out, torch::Tensor row_ptr, torch::Tensor col,
                             torch::Tensor delta) {
@@ -738,18 +750,21 @@ torch::Tensor lut_linear_q8(torch::Tensor x, torch::Tensor idx, torch::Tensor ta
   TORCH_CHECK(scales.scalar_type() == torch::kFloat && scales.is_contiguous() && scales.numel() == out / group_size,
               "scales: contiguous float32, one per group");
   const int64_t per_group = tables.numel() / std::max<int64_t>(out / group_size, 1);
-  const int64_t d = width != 4 ? per_group / 256 - 1 : 1;
+  const int64_t entries = per_group / 256;  // D + ceil(D / 2): 2, 3 or 6 for D 1, 2 or 4
+  const int64_t d = width == 4 ? 1 : entries == 2 ? 1 : entries == 3 ? 2 : entries == 6 ? 4 : 0;
   TORCH_CHECK(tables.scalar_type() == torch::kChar && tables.is_contiguous() &&
-                  tables.numel() == out / group_size * per_group && (width == 4 ? per_group == 32 : per_group % 256 == 0 && (d == 1 || d == 2)) &&
+                  tables.numel() == out / group_size * per_group && (width == 4 ? per_group == 32 : per_group % 256 == 0 && d > 0) &&
                   (width != 6 || d == 2 && in / 2 % 4 == 0),
-              "tables: contiguous int8, (groups, 32) for width 4, (groups, (D + 1) x 256) with D 1 or 2 for width 8, 2 for width 6");
+              "tables: contiguous int8, (groups, 32) for width 4, (groups, (D + ceil(D / 2)) x 256) with D 1, 2 or 4 "
+              "for width 8, 2 for width 6");
   TORCH_CHECK(idx.scalar_type() == torch::kUInt8 && idx.is_contiguous() && idx.numel() * 8 * d == out * in * width,
               "idx: contiguous uint8, one index per ", d, " weights");
   const Sparse sp = sparse(row_ptr, col, delta, out);
 #ifdef WSCOMPRESS_Q8_512
   if (width == 6) return run_q8<6, 2>(x, idx, tables, scales, group_size, out, sp);
   if (width == 8) return d == 1 ? run_q8<8, 1>(x, idx, tables, scales, group_size, out, sp)
-                                : run_q8<8, 2>(x, idx, tables, scales, group_size, out, sp);
+                       : d == 2 ? run_q8<8, 2>(x, idx, tables, scales, group_size, out, sp)
+                                : run_q8<8, 4>(x, idx, tables, scales, group_size, out, sp);
 #endif
 #ifdef WSCOMPRESS_Q8
   return run_q8<4, 1>(x, idx, tables, scales, group_size, out, sp);

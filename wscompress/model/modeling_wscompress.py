@@ -230,8 +230,9 @@ def round_tables(tables: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.
     """The tables as kernels multiplying 8-bit activations read them: each group's values over
     one scale (its largest magnitude / 2047) rounded to 12-bit integers v = 16·hi + lo, padded to
     the index width's reach (K = 16 entries for nibbles, 256 for bytes), stored per group as the
-    signed bytes hi, component-major (d, K), then the nibbles lo (K bytes, a pair's two at bits 0
-    and 4): (groups, d·K + K) int8; and the scales (groups,) float32. Rounding to 8 bits instead
+    signed bytes hi, component-major (d, K), then the nibbles lo (two components a byte, at bits 0
+    and 4: ceil(d / 2)·K bytes): (groups, d·K + ceil(d / 2)·K) int8; and the scales (groups,)
+    float32. Rounding to 8 bits instead
     cost 1 % of perplexity (docs/runtime.md); at 12 a value moves by at most 1/4094 of its group's
     largest."""
     t = tables.detach().float().reshape(tables.shape[0], tables.shape[1], -1).transpose(1, 2)  # (groups, d, K)
@@ -239,8 +240,9 @@ def round_tables(tables: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.
     scale = t.abs().amax((1, 2)).clamp_min(torch.finfo(torch.float32).tiny) / 2047
     v = (t / scale[:, None, None]).round().clamp(-2047, 2047).to(torch.int32)
     hi, lo = v.div(16, rounding_mode="floor"), v.remainder(16)
-    lo = (lo * 16 ** torch.arange(lo.shape[1])[:, None]).sum(1)  # (groups, K): component c at bit 4c
-    packed = torch.cat([hi.flatten(1).to(torch.int8), lo.to(torch.uint8).view(torch.int8)], 1)
+    lo = F.pad(lo, (0, 0, 0, lo.shape[1] % 2))  # (groups, 2·ceil(d / 2), K)
+    lo = lo[:, 0::2] + 16 * lo[:, 1::2]  # component c in byte c // 2, at bit 4 (c % 2)
+    packed = torch.cat([hi.flatten(1).to(torch.int8), lo.flatten(1).to(torch.uint8).view(torch.int8)], 1)
     return packed.contiguous(), scale.contiguous()
 
 
@@ -777,7 +779,7 @@ class PalettizedLinear(CompressedLinear):
             tables = self.codebook[..., 0] if d == 1 else self.codebook
             if width == 4 and tables.shape[1] < 16:
                 tables = F.pad(tables, (0, 0) * (d > 1) + (0, 16 - tables.shape[1]))
-            rounded = (round_tables(tables, width) if (width, d) in ((4, 1), (8, 1), (6, 2), (8, 2)) and self.in_features % 32 == 0
+            rounded = (round_tables(tables, width) if (width, d) in ((4, 1), (8, 1), (6, 2), (8, 2), (8, 4)) and self.in_features % 32 == 0
                        and tables.device.type == "cpu" else None)  # only the CPU's 8-bit kernels read them
             self._layout, self._layout_key = KernelLayout(layout, width, sparse, tables.detach().contiguous(), rounded), key
         return self._layout
