@@ -41,7 +41,8 @@ LAYOUTS = {  # label -> (index width, weights an index, table entries); tables p
     "scalar 4-bit (nibbles)": (4, 1, 16),
     "scalar 8-bit (bytes)": (8, 1, 256),
     "2-d, 8-bit indices (4-bit recipe)": (8, 2, 256),
-    "2-d, 6-bit indices (3-bit recipe)": (8, 2, 64),
+    "2-d, 6-bit indices a byte each (3-bit recipe on AVX2)": (8, 2, 64),
+    "2-d, 6-bit indices as stored (3-bit recipe)": (6, 2, 64),
     "4-d, 8-bit indices (2-bit recipe)": (8, 4, 256),
 }
 SHAPES = [(576, 576), (1536, 576), (576, 1536), (4096, 4096)]  # (out, in)

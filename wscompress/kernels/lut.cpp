@@ -452,7 +452,10 @@ struct Q8Table {
     if constexpr (W != 4) {
       const __mmask64 high = _mm512_movepi8_mask(id);  // index >= 128
       auto look = [&](const __m512i* t) {
-        return _mm512_mask_blend_epi8(high, _mm512_permutex2var_epi8(t[0], id, t[1]), _mm512_permutex2var_epi8(t[2], id, t[3]));
+        // 6-bit indices reach 64 entries, one register: one single-source permute (VPERMB, one
+        // uop) instead of two two-source ones and a blend
+        if constexpr (W == 6) return _mm512_permutexvar_epi8(id, t[0]);
+        else return _mm512_mask_blend_epi8(high, _mm512_permutex2var_epi8(t[0], id, t[1]), _mm512_permutex2var_epi8(t[2], id, t[3]));
       };
       for (int c = 0; c < D; ++c) h[c] = look(hi + 4 * c);
       if constexpr (D == 1) {
