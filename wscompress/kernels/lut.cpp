@@ -49,7 +49,7 @@ inline uint64_t spread6(uint64_t v) {
 
 // The outliers' corrections, CSR by weight row; row_ptr null: none.
 struct Sparse {
-  const int64_t* row_ptr;
+  const int32_t* row_ptr;
   const int32_t* col;
   const float* delta;
 };
@@ -330,6 +330,10 @@ constexpr int QBLOCK = 32;  // weights an activation scale covers
 template <int W, int D>
 constexpr int components() { return W == 4 ? 2 : D; }
 
+// Entries of a table as round_tables lays it out: what the index width reaches (6 bits: 64)
+template <int W>
+constexpr int entries() { return W == 4 ? 16 : W == 6 ? 64 : 256; }
+
 #if defined(__AVX512BW__) && defined(__AVX512VBMI__) && defined(__AVX512VNNI__)
 #define WSCOMPRESS_Q8_512
 #define WSCOMPRESS_Q8
@@ -409,22 +413,24 @@ inline void q8_store(float sum, Sparse sp, const float* x, float* y, int64_t r) 
 #ifdef WSCOMPRESS_Q8_512
 // A group's table in registers: each value v (12 bits, see round_tables) as 16 hi + lo, hi a
 // signed byte held unsigned (hi + 128: VPDPBUSD's unsigned operand) and lo in 0..15. Byte
-// indices: component c of entry e is byte e of hi[4c .. 4c + 3], its lo nibble byte e of
-// lo[4 (c / 2) .. 4 (c / 2) + 3] at bit 4 (c % 2) (two components a byte); nibbles: entry e is
-// byte e of every 128-bit lane of hi[0] and lo[0].
+// indices (K = 256 entries, or 64 for 6 bits: R = K / 64 registers a row of the table):
+// component c of entry e is byte e of hi[R c .. R c + R - 1], its lo nibble byte e of
+// lo[R (c / 2) ..] at bit 4 (c % 2) (two components a byte); nibbles: entry e is byte e of every
+// 128-bit lane of hi[0] and lo[0].
 template <int W, int D>
 struct Q8Table {
   static constexpr int LO = (D + 1) / 2;  // lo bytes an entry
-  __m512i hi[W != 4 ? 4 * D : 1], lo[W != 4 ? 4 * LO : 1];
+  static constexpr int R = W != 4 ? entries<W>() / 64 : 1;
+  __m512i hi[R * D], lo[R * LO];
   float scale;
 
-  // q: the group's hi bytes (component-major, D x 256 or 16 for nibbles), then its lo bytes (LO x 256, or 16)
+  // q: the group's hi bytes (component-major, D x K, or 16 for nibbles), then its lo bytes (LO x K, or 16)
   void load(const int8_t* q, float scale_) {
     scale = scale_;
     const __m512i offset = _mm512_set1_epi8(static_cast<char>(0x80));
     if constexpr (W != 4) {
-      for (int i = 0; i < 4 * D; ++i) hi[i] = _mm512_xor_si512(_mm512_loadu_si512(q + 64 * i), offset);
-      for (int i = 0; i < 4 * LO; ++i) lo[i] = _mm512_loadu_si512(q + 256 * D + 64 * i);
+      for (int i = 0; i < R * D; ++i) hi[i] = _mm512_xor_si512(_mm512_loadu_si512(q + 64 * i), offset);
+      for (int i = 0; i < R * LO; ++i) lo[i] = _mm512_loadu_si512(q + 64 * (R * D + i));
     } else {
       hi[0] = _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))), offset);
       lo[0] = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)));
@@ -457,13 +463,13 @@ struct Q8Table {
         if constexpr (W == 6) return _mm512_permutexvar_epi8(id, t[0]);
         else return _mm512_mask_blend_epi8(high, _mm512_permutex2var_epi8(t[0], id, t[1]), _mm512_permutex2var_epi8(t[2], id, t[3]));
       };
-      for (int c = 0; c < D; ++c) h[c] = look(hi + 4 * c);
+      for (int c = 0; c < D; ++c) h[c] = look(hi + R * c);
       if constexpr (D == 1) {
         l[0] = look(lo);  // its high nibble is zero
       } else {
         const __m512i nibble = _mm512_set1_epi8(15);
         for (int b = 0; b < LO; ++b) {
-          const __m512i both = look(lo + 4 * b);
+          const __m512i both = look(lo + R * b);
           l[2 * b] = _mm512_and_si512(both, nibble), l[2 * b + 1] = _mm512_and_si512(_mm512_srli_epi16(both, 4), nibble);
         }
       }
@@ -580,7 +586,7 @@ inline void q8_block(const Q8Table<W, D>& tab, const Q8X& x, const uint8_t* idx,
 template <int W, int D, int M, int R>
 void q8_rows(const Q8X& x, const float* xf, const uint8_t* idx, const int8_t* tables, const float* scales, int64_t gs,
              int64_t in, int64_t out, Sparse sp, float* y, int64_t r0, int64_t r1) {
-  constexpr int64_t size = W != 4 ? 256 * (D + (D + 1) / 2) : 32;  // a group's table: hi and lo bytes
+  constexpr int64_t size = W != 4 ? entries<W>() * (D + (D + 1) / 2) : 32;  // a group's table: hi and lo bytes
   const int64_t row_bytes = in * W / 8 / D;
   Q8Table<W, D> tab;
   int64_t loaded = -1;
@@ -686,12 +692,12 @@ struct DenseI8 {
 
 Sparse sparse(const torch::Tensor& row_ptr, const torch::Tensor& col, const torch::Tensor& delta, int64_t out) {
   if (row_ptr.numel() == 0) return {nullptr, nullptr, nullptr};
-  TORCH_CHECK(row_ptr.scalar_type() == torch::kLong && row_ptr.is_contiguous() && row_ptr.numel() == out + 1,
-              "row_ptr: contiguous int64 (out + 1)");
+  TORCH_CHECK(row_ptr.scalar_type() == torch::kInt && row_ptr.is_contiguous() && row_ptr.numel() == out + 1,
+              "row_ptr: contiguous int32 (out + 1)");
   TORCH_CHECK(col.scalar_type() == torch::kInt && col.is_contiguous(), "col: contiguous int32");
   TORCH_CHECK(delta.scalar_type() == torch::kFloat && delta.is_contiguous() && delta.numel() == col.numel(),
               "delta: contiguous float32, one per col");
-  return {row_ptr.data_ptr<int64_t>(), col.data_ptr<int32_t>(), delta.data_ptr<float>()};
+  return {row_ptr.data_ptr<int32_t>(), col.data_ptr<int32_t>(), delta.data_ptr<float>()};
 }
 
 }  // namespace
@@ -717,7 +723,7 @@ int64_t vector_length(const torch::Tensor& tables, int64_t width, int64_t group_
 
 // x (batch, in) float32; idx (out * in / D * width / 8) uint8; tables (groups, k) or
 // (groups, k, D) float32, k = 16 for width 4 (padded), 2^bits for width 8; row_ptr (out + 1)
-// int64, col int32, delta float32: the outliers' corrections (row_ptr empty: none).
+// int32, col int32, delta float32: the outliers' corrections (row_ptr empty: none).
 // Returns x @ W^T (batch, out).
 torch::Tensor lut_linear(torch::Tensor x, torch::Tensor idx, torch::Tensor tables, int64_t width, int64_t group_size,
                          int64_t out, torch::Tensor row_ptr, torch::Tensor col, torch::Tensor delta) {
@@ -740,8 +746,9 @@ bool lut_q8(int64_t width) {
 
 // lut_linear on 8-bit activations: tables int8 from round_tables, each group's values over its
 // scale (scales (groups) float32) as hi bytes (D, K) and lo nibbles (two components a byte:
-// ceil(D / 2), K), K = 16 for nibbles (width 4, D 1), 256 for byte indices (width 8) of D = 1, 2
-// or 4 weights; rows of a multiple of 32 weights (see lut_q8).
+// ceil(D / 2), K), K = 16 for nibbles (width 4, D 1), 64 for pairs' 6-bit indices (width 6),
+// 256 for byte indices (width 8) of D = 1, 2 or 4 weights; rows of a multiple of 32 weights (see
+// lut_q8).
 torch::Tensor lut_linear_q8(torch::Tensor x, torch::Tensor idx, torch::Tensor tables, torch::Tensor scales,
                             int64_t width, int64_t group_size, int64_t out, torch::Tensor row_ptr, torch::Tensor col,
                             torch::Tensor delta) {
@@ -753,13 +760,13 @@ torch::Tensor lut_linear_q8(torch::Tensor x, torch::Tensor idx, torch::Tensor ta
   TORCH_CHECK(scales.scalar_type() == torch::kFloat && scales.is_contiguous() && scales.numel() == out / group_size,
               "scales: contiguous float32, one per group");
   const int64_t per_group = tables.numel() / std::max<int64_t>(out / group_size, 1);
-  const int64_t entries = per_group / 256;  // D + ceil(D / 2): 2, 3 or 6 for D 1, 2 or 4
-  const int64_t d = width == 4 ? 1 : entries == 2 ? 1 : entries == 3 ? 2 : entries == 6 ? 4 : 0;
+  const int64_t k = width == 6 ? 64 : 256, rows = per_group / k;  // D + ceil(D / 2): 2, 3 or 6 for D 1, 2 or 4
+  const int64_t d = width == 4 ? 1 : rows == 2 ? 1 : rows == 3 ? 2 : rows == 6 ? 4 : 0;
   TORCH_CHECK(tables.scalar_type() == torch::kChar && tables.is_contiguous() &&
-                  tables.numel() == out / group_size * per_group && (width == 4 ? per_group == 32 : per_group % 256 == 0 && d > 0) &&
+                  tables.numel() == out / group_size * per_group && (width == 4 ? per_group == 32 : per_group % k == 0 && d > 0) &&
                   (width != 6 || d == 2 && in / 2 % 4 == 0),
               "tables: contiguous int8, (groups, 32) for width 4, (groups, (D + ceil(D / 2)) x 256) with D 1, 2 or 4 "
-              "for width 8, 2 for width 6");
+              "for width 8, (groups, 3 x 64) for width 6");
   TORCH_CHECK(idx.scalar_type() == torch::kUInt8 && idx.is_contiguous() && idx.numel() * 8 * d == out * in * width,
               "idx: contiguous uint8, one index per ", d, " weights");
   const Sparse sp = sparse(row_ptr, col, delta, out);

@@ -201,7 +201,7 @@ def lut_linear(x: torch.Tensor, indices: torch.Tensor, width: int, tables: torch
                scale: torch.Tensor | None = None) -> torch.Tensor:
     """x (rows, in) @ Wᵀ for the palettized W that ``indices`` (``width`` 4 or 8, as
     ``kernels.palettized_linear`` takes them) and ``tables`` (groups, K) or, at width 8, vectors
-    (groups, K, d) describe, plus the ``outliers``' corrections (CSR by row: row_ptr int64, col
+    (groups, K, d) describe, plus the ``outliers``' corrections (CSR by row: row_ptr int32, col
     int32, delta float32), times the row ``scale`` where given, in x's dtype.
     The first call at a shape times the candidate launches; call it once before capturing a CUDA graph."""
     launch = _pick(x, indices, width, tables, group_size, out_features, outliers, scale)

@@ -197,7 +197,7 @@ class SparseRows(NamedTuple):
     weight row (CSR): row r's are at columns ``col[row_ptr[r]:row_ptr[r + 1]]``, each adding
     ``delta`` (the exact weight minus its codebook value). By rows, the CPU kernel adds a row's
     few while its sums are in registers."""
-    row_ptr: torch.Tensor  # (out + 1,) int64
+    row_ptr: torch.Tensor  # (out + 1,) int32: a layer's outliers are counted in int32 as their positions are
     col: torch.Tensor  # int32
     delta: torch.Tensor  # float32
 
@@ -207,7 +207,7 @@ class SparseRows(NamedTuple):
         order = pos.argsort()
         pos = pos[order]
         counts = torch.bincount(pos // shape[1], minlength=shape[0])
-        row_ptr = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+        row_ptr = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(torch.int32)
         return cls(row_ptr, (pos % shape[1]).to(torch.int32), delta[order].float().contiguous())
 
 
@@ -229,14 +229,14 @@ class KernelLayout(NamedTuple):
 def round_tables(tables: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The tables as kernels multiplying 8-bit activations read them: each group's values over
     one scale (its largest magnitude / 2047) rounded to 12-bit integers v = 16·hi + lo, padded to
-    the index width's reach (K = 16 entries for nibbles, 256 for bytes), stored per group as the
+    the index width's reach (K = 16 entries for nibbles, 64 for 6 bits, 256 for bytes), stored per group as the
     signed bytes hi, component-major (d, K), then the nibbles lo (two components a byte, at bits 0
     and 4: ceil(d / 2)·K bytes): (groups, d·K + ceil(d / 2)·K) int8; and the scales (groups,)
     float32. Rounding to 8 bits instead
     cost 1 % of perplexity (docs/runtime.md); at 12 a value moves by at most 1/4094 of its group's
     largest."""
     t = tables.detach().float().reshape(tables.shape[0], tables.shape[1], -1).transpose(1, 2)  # (groups, d, K)
-    t = F.pad(t, (0, (16 if width == 4 else 256) - t.shape[2]))
+    t = F.pad(t, (0, {4: 16, 6: 64}.get(width, 256) - t.shape[2]))
     scale = t.abs().amax((1, 2)).clamp_min(torch.finfo(torch.float32).tiny) / 2047
     v = (t / scale[:, None, None]).round().clamp(-2047, 2047).to(torch.int32)
     hi, lo = v.div(16, rounding_mode="floor"), v.remainder(16)
