@@ -163,18 +163,21 @@ def test_row_scales_decode_through_the_kernel(d, bits, group_size, outliers, flo
 
 def q8_reference(lin: PalettizedLinear, x: torch.Tensor) -> torch.Tensor:
     """What the byte-product path computes, in torch: the weight from the rounded tables (12-bit
-    values 16·hi + lo), each input row a block of 32 as s (q1 + q2 / 256) with s the block's
+    values 16·hi + lo; 4-d vectors: 16-bit, 256·hi + lo), each input row a block of 32 as s (q1 + q2 / 256) with s the block's
     largest magnitude / 127 and q1, q2 signed bytes, their products but lo·q2, the outliers'
     float corrections, then the row scales and the bias."""
     layout = lin.kernel_layout()
     values, scales = layout.rounded
     groups, d = values.shape[0], lin.cluster_dim
-    k = values.shape[1] // (d + (d + 1) // 2)
+    wide = d == 4  # 16-bit tables: 256·hi + lo, a lo byte a component
+    k = values.shape[1] // (2 * d if wide else d + (d + 1) // 2)
     hi = values[:, : d * k].float().reshape(groups, d, k)
-    lo = values[:, d * k:].view(torch.uint8).int().reshape(groups, -1, k)  # two components a byte
-    lo = torch.stack([lo[:, c // 2] >> 4 * (c % 2) & 15 for c in range(d)], 1)
+    lo = values[:, d * k:].view(torch.uint8).int().reshape(groups, -1, k)
+    if not wide:  # two components a byte
+        lo = torch.stack([lo[:, c // 2] >> 4 * (c % 2) & 15 for c in range(d)], 1)
+    unit = 256 if wide else 16
     weight = [dequantize((t * scales[:, None, None]).transpose(1, 2).contiguous(), lin.index_matrix(), lin.group_size)
-              for t in (16 * hi + lo, 16 * hi)]
+              for t in (unit * hi + lo, unit * hi)]
     blocks = x.reshape(x.shape[0], -1, 32)
     amax = blocks.abs().amax(-1, keepdim=True)
     v = blocks * torch.where(amax > 0, 127 / amax, 0)

@@ -232,16 +232,22 @@ def round_tables(tables: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.
     the index width's reach (K = 16 entries for nibbles, 64 for 6 bits, 256 for bytes), stored per group as the
     signed bytes hi, component-major (d, K), then the nibbles lo (two components a byte, at bits 0
     and 4: ceil(d / 2)·K bytes): (groups, d·K + ceil(d / 2)·K) int8; and the scales (groups,)
-    float32. Rounding to 8 bits instead
+    float32. 4-d vectors keep 16 bits (v = 256·hi + lo over largest / 32767, lo a byte a
+    component: (groups, 2·d·K)): their one table a matrix spans its extreme centroids, and at 12
+    bits the byte products moved a one-shot 2-bit model's decode perplexity by +0.45 %
+    (docs/runtime.md). Rounding to 8 bits instead
     cost 1 % of perplexity (docs/runtime.md); at 12 a value moves by at most 1/4094 of its group's
     largest."""
     t = tables.detach().float().reshape(tables.shape[0], tables.shape[1], -1).transpose(1, 2)  # (groups, d, K)
     t = F.pad(t, (0, {4: 16, 6: 64}.get(width, 256) - t.shape[2]))
-    scale = t.abs().amax((1, 2)).clamp_min(torch.finfo(torch.float32).tiny) / 2047
-    v = (t / scale[:, None, None]).round().clamp(-2047, 2047).to(torch.int32)
-    hi, lo = v.div(16, rounding_mode="floor"), v.remainder(16)
-    lo = F.pad(lo, (0, 0, 0, lo.shape[1] % 2))  # (groups, 2·ceil(d / 2), K)
-    lo = lo[:, 0::2] + 16 * lo[:, 1::2]  # component c in byte c // 2, at bit 4 (c % 2)
+    wide = t.shape[1] == 4  # 16 bits: v = 256·hi + lo, a lo byte a component
+    levels, unit = (32767, 256) if wide else (2047, 16)
+    scale = t.abs().amax((1, 2)).clamp_min(torch.finfo(torch.float32).tiny) / levels
+    v = (t / scale[:, None, None]).round().clamp(-levels, levels).to(torch.int32)
+    hi, lo = v.div(unit, rounding_mode="floor"), v.remainder(unit)
+    if not wide:
+        lo = F.pad(lo, (0, 0, 0, lo.shape[1] % 2))  # (groups, 2·ceil(d / 2), K)
+        lo = lo[:, 0::2] + 16 * lo[:, 1::2]  # component c in byte c // 2, at bit 4 (c % 2)
     packed = torch.cat([hi.flatten(1).to(torch.int8), lo.flatten(1).to(torch.uint8).view(torch.int8)], 1)
     return packed.contiguous(), scale.contiguous()
 
