@@ -28,7 +28,11 @@ vector flags. This is a benchmark dependency only: neither the package nor its t
 (2 layers, hidden 128, random weights, vocabulary kept), every GGUF file written, every
 wscompress model built and timed once on one thread (the static-cache step not compiled).
 
-Writes outputs/peers_llamacpp/results-<shape>.{json,md} and prints the table.
+With ``WSCOMPRESS_MARCH`` set (e.g. ``haswell``: AVX2 only), wscompress's kernels are built for
+that CPU and llama.cpp runs its CPU backend built for the same one, so an AVX-512 machine times
+both engines' AVX2 paths.
+
+Writes outputs/peers_llamacpp/results-<shape>[-<march>].{json,md} and prints the table.
 Usage: python scripts/peers_llamacpp.py [--shape smollm2|tinyllama] [--threads 1 2] [--rounds 5] [--dry-run]
            [--models dense "configs/kmeans_4bit.yaml layout + float16 tied embedding/head" ...]
 """
@@ -40,6 +44,7 @@ import copy
 import functools
 import hashlib
 import json
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -224,13 +229,30 @@ def random_model(shape: dict):
     return model.eval()
 
 
-def node_runner(out: Path) -> Path:
-    """node-llama-cpp installed into ``out/node`` (once) and the timing script beside it."""
+def node_runner(out: Path, march: str = "native") -> Path:
+    """node-llama-cpp installed into ``out/node`` (once) and the timing script beside it. For
+    another ``march`` than this CPU's (``WSCOMPRESS_MARCH``, which wscompress's kernels are then
+    built for), a copy in ``out/node-<march>`` of hard links to that install, holding only
+    llama.cpp's CPU backend built for that CPU (it otherwise loads the best one this CPU runs),
+    so that both engines run the same instruction set."""
     folder = out / "node"
     if not (folder / "node_modules" / "node-llama-cpp").is_dir():
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "package.json").write_text(json.dumps({"name": "peers", "private": True, "type": "module"}))
         subprocess.run(["npm", "install", "--no-audit", "--no-fund", NODE_LLAMA_CPP], cwd=folder, check=True)
+    if march != "native":
+        base, folder = folder, out / f"node-{march}"
+        if not (folder / "node_modules").is_dir():
+            folder.mkdir(parents=True, exist_ok=True)
+            subprocess.run(["cp", "-al", str(base / "node_modules"), str(folder)], check=True)  # links, no copies
+            (folder / "package.json").write_text((base / "package.json").read_text())
+            variants = list(folder.glob("node_modules/@node-llama-cpp/linux-x64/bins/*/libggml-cpu-*.so"))
+            if not any(v.name == f"libggml-cpu-{march}.so" for v in variants):
+                raise SystemExit(f"llama.cpp has no CPU backend built for {march!r}: "
+                                 f"{sorted(v.name for v in variants)}")
+            for v in variants:
+                if v.name != f"libggml-cpu-{march}.so":
+                    v.unlink()  # a link in the copy: the install itself keeps every variant
     (folder / "time.mjs").write_text(NODE_SCRIPT)
     return folder / "time.mjs"
 
@@ -281,7 +303,8 @@ def main() -> None:
     source = next(builtin_dir("smollm2-135m-instruct").glob("*.gguf"))
     ggufs = {q: quantized_gguf(source, q, args.out) if real else random_gguf(source, shape, q, args.out)
              for q in args.quants}
-    script = None if args.dry_run else node_runner(args.out)
+    march = os.environ.get("WSCOMPRESS_MARCH", "native")  # the kernels' CPU: llama.cpp runs the same
+    script = None if args.dry_run else node_runner(args.out, march)
 
     recipe = load_recipe(data={"model": {"path": "builtin:smollm2-135m-instruct", "device": "cpu"}})
     original, tok = load_model(recipe.model)  # the tokenizer serves every shape (SmolLM2's vocabulary)
@@ -323,7 +346,8 @@ def main() -> None:
                 row["prefill x Q4_0"] = round(base["prefill"] / r["prefill"], 2)
             rows.append(row)
             print(row, flush=True)
-    cpu = cpu_line()
+    cpu = cpu_line() + ("" if march == "native" else f"; both engines built for -march={march} "
+                                                     f"(WSCOMPRESS_MARCH, llama.cpp's {march} CPU backend)")
     cols = ["threads", "engine, model", "weight MB", "decode tok/s", "compiled decode tok/s", "decode GB/s",
             "decode x Q4_0", "prefill tok/s", "prefill x Q4_0"]
     made = f"made from {source.name}" if real else f"with random weights and {source.name}'s tokenizer"
@@ -335,7 +359,7 @@ def main() -> None:
           "`decode GB/s` (weight bytes, wscompress's resident ones and llama.cpp's file, times decode tokens/s) take "
           "wscompress's faster path (eager or compiled).\n\n" + markdown(rows, cols))
     write_results(args.out, {"shape": args.shape, "dry_run": args.dry_run, "rows": rows, "cpu": cpu}, md,
-                  stem=f"results-{args.shape}")
+                  stem=f"results-{args.shape}" + ("" if march == "native" else f"-{march}"))
     print(md)
 
 
