@@ -331,18 +331,15 @@ template <int W, int D>
 constexpr int components() { return W == 4 ? 2 : D; }
 
 // Entries of a table as round_tables lays it out: what the index width reaches (6 bits: 64)
-template <int W>
-constexpr int entries() { return W == 4 ? 16 : W == 6 ? 64 : 256; }
+constexpr int entries(int64_t width) { return width == 4 ? 16 : width == 6 ? 64 : 256; }
 
 // Whether a layout's tables keep 16 bits (256 hi + lo, a lo byte a component) rather than 12
 // (16 hi + lo, two lo nibbles a byte): 4-d vectors, whose one table a matrix spans its extreme
 // centroids (see round_tables)
-template <int D>
-constexpr bool wide() { return D == 4; }
+constexpr bool wide(int64_t d) { return d == 4; }
 
 // Rows of lo bytes a byte-indexed table has (after its D rows of hi bytes)
-template <int D>
-constexpr int lo_rows() { return wide<D>() ? D : (D + 1) / 2; }
+constexpr int lo_rows(int64_t d) { return wide(d) ? d : (d + 1) / 2; }
 
 #if defined(__AVX512BW__) && defined(__AVX512VBMI__) && defined(__AVX512VNNI__)
 #define WSCOMPRESS_Q8_512
@@ -430,14 +427,14 @@ inline void q8_store(float sum, Sparse sp, const float* x, float* y, int64_t r) 
 // 128-bit lane of hi[0] and lo[0].
 template <int W, int D>
 struct Q8Table {
-  static constexpr int LO = lo_rows<D>();  // lo bytes an entry
-  static constexpr int R = W != 4 ? entries<W>() / 64 : 1;
+  static constexpr int LO = lo_rows(D);  // lo bytes an entry
+  static constexpr int R = W != 4 ? entries(W) / 64 : 1;
   __m512i hi[R * D], lo[R * LO];
   float scale;
 
   // q: the group's hi bytes (component-major, D x K, or 16 for nibbles), then its lo bytes (LO x K, or 16)
   void load(const int8_t* q, float scale_) {
-    scale = wide<D>() ? 256.f * scale_ : scale_;  // wide sums are counted in units of 256 (q8_block)
+    scale = wide(D) ? 256.f * scale_ : scale_;  // wide sums are counted in units of 256 (q8_block)
     const __m512i offset = _mm512_set1_epi8(static_cast<char>(0x80));
     if constexpr (W != 4) {
       for (int i = 0; i < R * D; ++i) hi[i] = _mm512_xor_si512(_mm512_loadu_si512(q + 64 * i), offset);
@@ -477,7 +474,7 @@ struct Q8Table {
       for (int c = 0; c < D; ++c) h[c] = look(hi + R * c);
       if constexpr (D == 1) {
         l[0] = look(lo);  // its high nibble is zero
-      } else if constexpr (wide<D>()) {
+      } else if constexpr (wide(D)) {
         for (int c = 0; c < D; ++c) l[c] = look(lo + R * c);
       } else {
         const __m512i nibble = _mm512_set1_epi8(15);
@@ -526,7 +523,7 @@ inline void q8_block(const Q8Table<W, D>& tab, const Q8X& x, const uint8_t* idx,
         // (16 hi + lo)(256 q1 + q2) without lo q2, which stays below 2^-12 of the largest product;
         // wide: (256 hi + lo)(256 q1 + q2) / 256 without lo q2 / 256 (2^-16)
         __m512i d;
-        if constexpr (wide<D>()) {
+        if constexpr (wide(D)) {
           d = _mm512_add_epi32(_mm512_slli_epi32(dot(h, 0), 8), _mm512_add_epi32(dot(l, 0), dot(h, 1)));
         } else {
           const __m512i first = _mm512_add_epi32(_mm512_slli_epi32(dot(h, 0), 4), dot(l, 0));
@@ -604,7 +601,7 @@ inline void q8_block(const Q8Table<W, D>& tab, const Q8X& x, const uint8_t* idx,
 template <int W, int D, int M, int R>
 void q8_rows(const Q8X& x, const float* xf, const uint8_t* idx, const int8_t* tables, const float* scales, int64_t gs,
              int64_t in, int64_t out, Sparse sp, float* y, int64_t r0, int64_t r1) {
-  constexpr int64_t size = W != 4 ? entries<W>() * (D + lo_rows<D>()) : 32;  // a group's table: hi and lo bytes
+  constexpr int64_t size = W != 4 ? entries(W) * (D + lo_rows(D)) : 32;  // a group's table: hi and lo bytes
   const int64_t row_bytes = in * W / 8 / D;
   Q8Table<W, D> tab;
   int64_t loaded = -1;
@@ -625,7 +622,7 @@ template <int W, int D, int M>
 void q8_gemv(const float* xf, const uint8_t* idx, const int8_t* tables, const float* scales, int64_t gs, int64_t in,
              int64_t out, Sparse sp, float* y) {
   constexpr int R = M == 1 || M == 2 ? 4 : M <= 4 ? 2 : 1;
-  const Q8X x(xf, M, in, components<W, D>(), wide<D>());
+  const Q8X x(xf, M, in, components<W, D>(), wide(D));
   at::parallel_for(0, out, 64, [&](int64_t r0, int64_t r1) { q8_rows<W, D, M, R>(x, xf, idx, tables, scales, gs, in, out, sp, y, r0, r1); });
 }
 #endif  // WSCOMPRESS_Q8
@@ -764,9 +761,9 @@ bool lut_q8(int64_t width) {
 
 // lut_linear on 8-bit activations: tables int8 from round_tables, each group's values over its
 // scale (scales (groups) float32) as hi bytes (D, K) and lo nibbles (two components a byte:
-// ceil(D / 2), K; 4-d vectors: lo bytes (4, K), 16 bits a value), K = 16 for nibbles (width 4, D 1), 64 for pairs' 6-bit indices (width 6),
-// 256 for byte indices (width 8) of D = 1, 2 or 4 weights; rows of a multiple of 32 weights (see
-// lut_q8).
+// ceil(D / 2), K; 4-d vectors: lo bytes (4, K), 16 bits a value), K = 16 for nibbles (width 4,
+// D 1), 64 for pairs' 6-bit indices (width 6), 256 for byte indices (width 8) of D = 1, 2 or 4
+// weights; rows of a multiple of 32 weights (see lut_q8).
 torch::Tensor lut_linear_q8(torch::Tensor x, torch::Tensor idx, torch::Tensor tables, torch::Tensor scales,
                             int64_t width, int64_t group_size, int64_t out, torch::Tensor row_ptr, torch::Tensor col,
                             torch::Tensor delta) {
@@ -778,10 +775,11 @@ torch::Tensor lut_linear_q8(torch::Tensor x, torch::Tensor idx, torch::Tensor ta
   TORCH_CHECK(scales.scalar_type() == torch::kFloat && scales.is_contiguous() && scales.numel() == out / group_size,
               "scales: contiguous float32, one per group");
   const int64_t per_group = tables.numel() / std::max<int64_t>(out / group_size, 1);
-  const int64_t k = width == 6 ? 64 : 256, rows = per_group / k;  // hi and lo rows: 2, 3 or 8 for D 1, 2 or 4
-  const int64_t d = width == 4 ? 1 : rows == 2 ? 1 : rows == 3 ? 2 : rows == 8 ? 4 : 0;
+  int64_t d = width == 4 ? 1 : 0;  // byte indices: the D whose hi and lo rows fill a group's table
+  for (const int64_t c : {1, 2, 4})
+    if (width != 4 && per_group == entries(width) * (c + lo_rows(c))) d = c;
   TORCH_CHECK(tables.scalar_type() == torch::kChar && tables.is_contiguous() &&
-                  tables.numel() == out / group_size * per_group && (width == 4 ? per_group == 32 : per_group % k == 0 && d > 0) &&
+                  tables.numel() == out / group_size * per_group && (width == 4 ? per_group == 32 : d > 0) &&
                   (width != 6 || d == 2 && in / 2 % 4 == 0),
               "tables: contiguous int8, (groups, 32) for width 4, (groups, (D + ceil(D / 2)) x 256) with D 1 or 2, "
               "(groups, 8 x 256) with D 4 for width 8, (groups, 3 x 64) for width 6");

@@ -229,15 +229,14 @@ class KernelLayout(NamedTuple):
 def round_tables(tables: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The tables as kernels multiplying 8-bit activations read them: each group's values over
     one scale (its largest magnitude / 2047) rounded to 12-bit integers v = 16·hi + lo, padded to
-    the index width's reach (K = 16 entries for nibbles, 64 for 6 bits, 256 for bytes), stored per group as the
-    signed bytes hi, component-major (d, K), then the nibbles lo (two components a byte, at bits 0
-    and 4: ceil(d / 2)·K bytes): (groups, d·K + ceil(d / 2)·K) int8; and the scales (groups,)
-    float32. 4-d vectors keep 16 bits (v = 256·hi + lo over largest / 32767, lo a byte a
-    component: (groups, 2·d·K)): their one table a matrix spans its extreme centroids, and at 12
-    bits the byte products moved a one-shot 2-bit model's decode perplexity by +0.45 %
-    (docs/runtime.md). Rounding to 8 bits instead
-    cost 1 % of perplexity (docs/runtime.md); at 12 a value moves by at most 1/4094 of its group's
-    largest."""
+    the index width's reach (K = 16 entries for nibbles, 64 for 6 bits, 256 for bytes), stored
+    per group as the signed bytes hi, component-major (d, K), then the nibbles lo (two components
+    a byte, at bits 0 and 4: ceil(d / 2)·K bytes): (groups, d·K + ceil(d / 2)·K) int8; and the
+    scales (groups,) float32. 4-d vectors keep 16 bits (v = 256·hi + lo over largest / 32767, lo
+    a byte a component: (groups, 2·d·K)): their one table a matrix spans its extreme centroids,
+    and at 12 bits the byte products moved a one-shot 2-bit model's decode perplexity by +0.45 %.
+    Rounding to 8 bits instead cost 1 % of perplexity; at 12 a value moves by at most 1/4094 of
+    its group's largest (docs/runtime.md)."""
     t = tables.detach().float().reshape(tables.shape[0], tables.shape[1], -1).transpose(1, 2)  # (groups, d, K)
     t = F.pad(t, (0, {4: 16, 6: 64}.get(width, 256) - t.shape[2]))
     wide = t.shape[1] == 4  # 16 bits: v = 256·hi + lo, a lo byte a component
@@ -785,7 +784,7 @@ class PalettizedLinear(CompressedLinear):
             tables = self.codebook[..., 0] if d == 1 else self.codebook
             if width == 4 and tables.shape[1] < 16:
                 tables = F.pad(tables, (0, 0) * (d > 1) + (0, 16 - tables.shape[1]))
-            rounded = (round_tables(tables, width) if (width, d) in ((4, 1), (8, 1), (6, 2), (8, 2), (8, 4)) and self.in_features % 32 == 0
+            rounded = (round_tables(tables, width) if (width != 4 or d == 1) and self.in_features % 32 == 0
                        and tables.device.type == "cpu" else None)  # only the CPU's 8-bit kernels read them
             self._layout, self._layout_key = KernelLayout(layout, width, sparse, tables.detach().contiguous(), rounded), key
         return self._layout
