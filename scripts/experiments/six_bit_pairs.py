@@ -1,12 +1,13 @@
 """Record: the 3-bit recipe's layout at TinyLlama-1.1B's shape with its 6-bit pair indices read as
 stored against spread to a byte a pair (the layout before), both models in one process, taking
-turns: resident MB, eager decode tok/s (16 tokens after 32) and prefill tok/s (128 tokens), 1 and
+turns: resident and stored MiB, eager decode tok/s (16 tokens after 32) and prefill tok/s (128 tokens), 1 and
 2 threads. Behind docs/runtime.md's "held once" figures (2026-11-29); ``WSCOMPRESS_MARCH=haswell``
 times the AVX2 build's float path.
 
 Usage: python scripts/experiments/six_bit_pairs.py [--tiny]
 """
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -32,7 +33,10 @@ for label, devices in (("6-bit as stored", ("cpu",)), ("byte a pair (before)", (
     random_layout(model, stages[0])
     compress(model, stages[1:])
     models[label], decoders[label] = model, StaticDecoder(model, prompt, 16)  # eager; builds the layouts
-    print(label, "resident MB", round(storage.resident_bytes(model) / 2**20, 1), flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        stored = storage.save(model, None, tmp)["file_bytes"]
+    print(label, "resident MiB", round(storage.resident_bytes(model) / 2**20, 1), "stored MiB", round(stored / 2**20, 1),
+          flush=True)
 for threads in (1, 2):
     torch.set_num_threads(threads)
     decode, fill = {k: 1e9 for k in models}, {k: 1e9 for k in models}
