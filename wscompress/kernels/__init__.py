@@ -42,7 +42,7 @@ def _disabled() -> bool:
 
 # Kernels registered as PyTorch operators (torch.ops.wscompress.*), which a compiled graph calls
 # like any aten op; the others are plain Python modules (calibration's, never inside a graph).
-OPERATORS = {"lut": ("lut_linear", "lut_linear_q8", "lut_dense", "lut_dense_i8"), "lowrank": ("lowrank_linear",)}
+OPERATORS = {"lut": ("lut_linear", "lut_linear_q8", "lut_dense", "lut_dense_q8"), "lowrank": ("lowrank_linear",)}
 
 
 # Intel's AVX-512 gathers fetch a palettized row's pairs of weights in one instruction, 1.2-1.3x
@@ -116,8 +116,8 @@ def _shape_rules(source: str) -> None:
             lambda x, idx, tables, scales, width, group_size, out, row_ptr, col, delta: x.new_empty(x.shape[0], out))
         torch.library.register_fake("wscompress::lut_dense")(
             lambda idx, tables, width, group_size, out, in_features, row_ptr, col, delta: tables.new_empty(out, in_features))
-        torch.library.register_fake("wscompress::lut_dense_i8")(
-            lambda idx, tables, width, group_size, out, in_features: tables.new_empty(out, in_features))
+        torch.library.register_fake("wscompress::lut_dense_q8")(
+            lambda idx, tables, scales, width, group_size, out, in_features: tables.new_empty(2 * out, in_features))
     else:
         torch.library.register_fake("wscompress::lowrank_linear")(
             lambda x, basis, coeff, bias: x.new_empty(*x.shape[:-1], coeff.shape[0]))
@@ -292,8 +292,8 @@ def palettized_linear(x: torch.Tensor, indices: torch.Tensor, width: int, tables
         return None
     flat = x.reshape(-1, x.shape[-1]).contiguous()
     sparse = outliers or _NO_OUTLIERS
-    if flat.shape[0] > DECODE_ROWS and integer_prefill():
-        y = _integer_product(module, flat, indices, width, tables, group_size, out_features, sparse)
+    if flat.shape[0] > DECODE_ROWS and rounded is not None and integer_prefill(width, tables, out_features, flat.shape[1]):
+        y = _integer_product(module, flat, indices, width, tables, rounded, group_size, out_features, sparse)
     elif flat.shape[0] > DECODE_ROWS:  # prefill: decode this layer's dense weight once (transient), the BLAS multiplies
         w = module.lut_dense(indices, tables.detach().float().contiguous(), width, group_size, out_features, flat.shape[1], *sparse)
         y = F.linear(flat, w)
@@ -306,39 +306,52 @@ def palettized_linear(x: torch.Tensor, indices: torch.Tensor, width: int, tables
     return y.view(*x.shape[:-1], out_features)
 
 
-def integer_prefill() -> bool:
-    """Whether prefill and evaluation multiply palettized layers in 8-bit integers
-    (``_integer_product``): only with ``WSCOMPRESS_INT8_PREFILL=1``. The tables rounded to 8 bits
-    cost the 4-bit recipe 0.8-1.1 % of perplexity on SmolLM2, and the products gain 1.6-1.8x at
-    TinyLlama-1.1B's shape but lose at SmolLM2's (docs/runtime.md), so float32 is the default."""
-    return os.environ.get("WSCOMPRESS_INT8_PREFILL", "0") == "1"
+def integer_prefill(width: int, tables: torch.Tensor, out: int, inp: int) -> bool:
+    """Whether prefill and evaluation multiply this palettized layer in 8-bit integers
+    (``_integer_product``, the rounding decoding's byte products use): for every layout but
+    nibble vectors, as ``WSCOMPRESS_INT8_PREFILL`` says: ``1`` always, ``0`` never, unset where
+    the build decodes the weight vectorised (``lut_q8(8)``: AVX-512 VBMI) and the layer has at
+    least INT8_PREFILL_WEIGHTS weights: its three integer products gain on float32 where the
+    float path's decoded weight no longer stays in the caches (docs/runtime.md)."""
+    choice = os.environ.get("WSCOMPRESS_INT8_PREFILL", "")
+    if choice == "0" or width == 4 and tables.dim() == 3 and tables.shape[2] > 1:  # nibble vectors: float only
+        return False
+    return choice == "1" or q8(8) and out * inp >= INT8_PREFILL_WEIGHTS
+
+
+INT8_PREFILL_WEIGHTS = 1 << 23  # 2048 x 2048 ties with float32, 2048 x 5632 gains (docs/runtime.md)
 
 
 def _integer_product(module, x: torch.Tensor, indices: torch.Tensor, width: int, tables: torch.Tensor,
-                     group_size: int, out: int, sparse: SparseRows) -> torch.Tensor:
+                     rounded: tuple[torch.Tensor, torch.Tensor], group_size: int, out: int,
+                     sparse: SparseRows) -> torch.Tensor:
     """x Wᵀ (x: rows, in) in 8-bit integers through torch's own integer matmul (``torch._int_mm``:
-    oneDNN's VNNI or AVX2 kernels, 3.8x float32's rate on one core, docs/runtime.md). The weight:
-    each group's table over its largest magnitude rounded to 8 bits (``lut_dense_i8`` copies them
-    out, a byte a weight where the float decode writes four). The activations: two 8-bit parts a
-    row, x ≈ s·hi + s/254·lo (about 15 bits, no measurable perplexity): a single 8-bit part a
-    row cost 2.7 % of perplexity on SmolLM2. The weights kept aside add their exact
-    corrections in float."""
-    t = tables.detach().float()
-    t = t.reshape(t.shape[0], t.shape[1], -1)
-    unit = t.abs().amax((1, 2)).clamp_min(torch.finfo(torch.float32).tiny) / 127
-    w8 = module.lut_dense_i8(indices, (t / unit[:, None, None]).round().to(torch.int8).contiguous(), width, group_size,
-                             out, x.shape[1])
+    oneDNN's VNNI or AVX2 kernels, 5.6x float32's rate on one core here, docs/runtime.md). The
+    weight is the one decoding multiplies: the ``rounded`` tables' values v = U·hi + lo (U 16,
+    4-d vectors 256), decoded by ``lut_dense_q8`` as an hi and a lo plane of bytes. The
+    activations: two 8-bit parts a row, x ≈ s·a + s/254·b (about 15 bits: one part cost 2.7 %
+    of perplexity on SmolLM2). Three products, as decoding's: a·hi, a·lo and b·hi (b·lo is below
+    2⁻¹² of the sum). The weights kept aside add their exact corrections in float (a sparse
+    CSR product)."""
+    packed, scales = rounded
+    wide = tables.dim() == 3 and tables.shape[2] == 4
+    unit = 256.0 if wide else 16.0
+    w = module.lut_dense_q8(indices, packed, scales, width, group_size, out, x.shape[1])  # (2 out, in): hi, lo
     s = x.abs().amax(1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) / 127
-    hi = (x / s).round()
-    lo = ((x - hi * s) * (254 / s)).round()
-    wt = w8.t()
-    y = torch._int_mm(hi.to(torch.int8), wt).float().mul_(s)
-    y.add_(torch._int_mm(lo.to(torch.int8), wt).float().mul_(s / 254))
-    y.mul_(unit.repeat_interleave(group_size))
+    a = (x / s).round()
+    b = ((x / s - a) * 254).round().to(torch.int8)
+    hi_lo = torch._int_mm(a.to(torch.int8), w.t())
+    y = hi_lo[:, :out].float().mul_(unit).add_(hi_lo[:, out:])
+    y.add_(torch._int_mm(b, w[:out].t()).float(), alpha=unit / 254)
+    if wide:  # their lo plane holds lo - 128
+        y.add_(a.sum(1, keepdim=True), alpha=128.0)
+    y.mul_(s).mul_(scales.repeat_interleave(group_size, output_size=out))
     row_ptr, col, delta = sparse
     if col.numel():
-        rows = torch.repeat_interleave(torch.arange(out), row_ptr.diff(), output_size=col.numel())  # a size known to a trace
-        y.index_add_(1, rows, x[:, col.long()] * delta)
+        with warnings.catch_warnings():  # "sparse CSR support is in beta"
+            warnings.simplefilter("ignore", UserWarning)
+            corrections = torch.sparse_csr_tensor(row_ptr, col, delta, (out, x.shape[1]))
+        y.add_((corrections @ x.t()).t())
     return y
 
 

@@ -341,6 +341,10 @@ constexpr bool wide(int64_t d) { return d == 4; }
 // Rows of lo bytes a byte-indexed table has (after its D rows of hi bytes)
 constexpr int lo_rows(int64_t d) { return wide(d) ? d : (d + 1) / 2; }
 
+// Bytes a group's rounded table takes: D rows of hi bytes and lo_rows(D) of lo bytes, K entries
+// each (nibbles: 16 hi and 16 lo)
+constexpr int64_t table_bytes(int64_t width, int64_t d) { return width == 4 ? 32 : entries(width) * (d + lo_rows(d)); }
+
 #if defined(__AVX512BW__) && defined(__AVX512VBMI__) && defined(__AVX512VNNI__)
 #define WSCOMPRESS_Q8_512
 #define WSCOMPRESS_Q8
@@ -601,7 +605,7 @@ inline void q8_block(const Q8Table<W, D>& tab, const Q8X& x, const uint8_t* idx,
 template <int W, int D, int M, int R>
 void q8_rows(const Q8X& x, const float* xf, const uint8_t* idx, const int8_t* tables, const float* scales, int64_t gs,
              int64_t in, int64_t out, Sparse sp, float* y, int64_t r0, int64_t r1) {
-  constexpr int64_t size = W != 4 ? entries(W) * (D + lo_rows(D)) : 32;  // a group's table: hi and lo bytes
+  constexpr int64_t size = table_bytes(W, D);
   const int64_t row_bytes = in * W / 8 / D;
   Q8Table<W, D> tab;
   int64_t loaded = -1;
@@ -626,6 +630,104 @@ void q8_gemv(const float* xf, const uint8_t* idx, const int8_t* tables, const fl
   at::parallel_for(0, out, 64, [&](int64_t r0, int64_t r1) { q8_rows<W, D, M, R>(x, xf, idx, tables, scales, gs, in, out, sp, y, r0, r1); });
 }
 #endif  // WSCOMPRESS_Q8
+
+// ---- Prefill's integer weights (lut_dense_q8) ----
+// Prefill multiplies the weight as decoding's byte products see it (the rounded tables: v = 16 hi
+// + lo, or 256 hi + lo for 4-d vectors), with torch._int_mm, as two int8 planes: the hi bytes,
+// and lo (0..15; 4-d vectors: lo - 128, so that it is signed too), in weight order. Both paths
+// then multiply the same values; 8-bit tables alone cost 0.8-1.1 % of perplexity.
+
+// Weight j of a row: its value's hi and lo parts, from its group's table (scalar: builds without
+// AVX-512 VBMI)
+template <int W, int D>
+inline void q8_weight(const uint8_t* row, const int8_t* table, int64_t j, int8_t& hi, int8_t& lo) {
+  constexpr int64_t K = entries(W);
+  const int c = static_cast<int>(j % D);
+  const int64_t e = index_at<W>(row, j / D);
+  const uint8_t l = static_cast<uint8_t>(table[(D + (wide(D) ? c : c / 2)) * K + e]);
+  hi = table[c * K + e];
+  lo = static_cast<int8_t>(wide(D) ? l ^ 0x80 : (l >> (4 * (c % 2))) & 15);
+}
+
+#ifdef WSCOMPRESS_Q8_512
+// Permute indices that zip two registers of N elements: element j of the first result is element
+// j / 2 of source j % 2, of the second element N / 2 + j / 2
+template <typename T, int N>
+struct Zip {
+  T first[N], second[N];
+};
+template <typename T, int N>
+constexpr Zip<T, N> zip() {
+  Zip<T, N> z{};
+  for (int j = 0; j < N; ++j)
+    z.first[j] = static_cast<T>(j % 2 * N + j / 2), z.second[j] = static_cast<T>(j % 2 * N + N / 2 + j / 2);
+  return z;
+}
+
+// The C registers of a step's components (byte i of v[c]: component c of index i) in weight order
+// (byte C i + c of the C registers in turn): bytes zipped, then (C 4) 16-bit words
+template <int C>
+inline void in_order(__m512i (&v)[C]) {
+  if constexpr (C > 1) {
+    static constexpr Zip<uint8_t, 64> b = zip<uint8_t, 64>();
+    static constexpr Zip<uint16_t, 32> w = zip<uint16_t, 32>();
+    const __m512i b1 = _mm512_loadu_si512(b.first), b2 = _mm512_loadu_si512(b.second);
+    const __m512i a0 = _mm512_permutex2var_epi8(v[0], b1, v[1]), a1 = _mm512_permutex2var_epi8(v[0], b2, v[1]);
+    if constexpr (C == 2) {
+      v[0] = a0, v[1] = a1;
+    } else {
+      const __m512i c0 = _mm512_permutex2var_epi8(v[2], b1, v[3]), c1 = _mm512_permutex2var_epi8(v[2], b2, v[3]);
+      const __m512i w1 = _mm512_loadu_si512(w.first), w2 = _mm512_loadu_si512(w.second);
+      v[0] = _mm512_permutex2var_epi16(a0, w1, c0), v[1] = _mm512_permutex2var_epi16(a0, w2, c0);
+      v[2] = _mm512_permutex2var_epi16(a1, w1, c1), v[3] = _mm512_permutex2var_epi16(a1, w2, c1);
+    }
+  }
+}
+
+// A row's in weights from its `units` indices, 64 indices a step through the decode products use
+template <int W, int D>
+void q8_dense_row(const Q8Table<W, D>& tab, const uint8_t* row, int64_t units, int64_t in, int8_t* hi, int8_t* lo) {
+  constexpr int C = components<W, D>();
+  constexpr int64_t per = W == 4 ? 2 : D;  // weights an index byte (nibbles: two) or index names
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int64_t q = 0; q < units; q += 64) {
+    __m512i h[C], l[C];
+    tab.decode(row + (W == 6 ? q / 4 * 3 : q), units - q, h, l);
+    for (int c = 0; c < C; ++c) {
+      h[c] = _mm512_xor_si512(h[c], flip);  // the table holds hi + 128, VPDPBUSD's unsigned operand
+      if constexpr (wide(D)) l[c] = _mm512_xor_si512(l[c], flip);
+    }
+    in_order(h), in_order(l);
+    for (int k = 0; k < C; ++k) {
+      const int64_t at = q * per + 64 * k, n = std::min<int64_t>(64, in - at);
+      if (n <= 0) break;
+      const __mmask64 mask = n == 64 ? ~0ULL : (1ULL << n) - 1;
+      _mm512_mask_storeu_epi8(hi + at, mask, h[k]), _mm512_mask_storeu_epi8(lo + at, mask, l[k]);
+    }
+  }
+}
+#endif
+
+template <int W, int D>
+void q8_dense_rows(const uint8_t* idx, const int8_t* tables, int64_t gs, int64_t in, int64_t out, int8_t* dense,
+                   int64_t r0, int64_t r1) {
+  const int64_t row_bytes = in / D * W / 8;
+#ifdef WSCOMPRESS_Q8_512
+  Q8Table<W, D> tab;
+  int64_t loaded = -1;
+#endif
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* row = idx + r * row_bytes;
+    const int8_t* table = tables + r / gs * table_bytes(W, D);
+    int8_t *hi = dense + r * in, *lo = dense + (out + r) * in;
+#ifdef WSCOMPRESS_Q8_512
+    if (r / gs != loaded) tab.load(table, 1.f), loaded = r / gs;
+    q8_dense_row<W, D>(tab, row, W == 4 ? row_bytes : in / D, in, hi, lo);
+#else
+    for (int64_t j = 0; j < in; ++j) q8_weight<W, D>(row, table, j, hi[j], lo[j]);
+#endif
+  }
+}
 
 #ifdef WSCOMPRESS_Q8
 template <int W, int D>
@@ -677,30 +779,6 @@ struct Dense {
     float* dp = dense.data_ptr<float>();
     const int64_t k = tables.size(1);
     at::parallel_for(0, out, 64, [&](int64_t r0, int64_t r1) { decode_rows<W, D>(ip, tp, k, group_size, in, sp, dp + r0 * in, r0, r1); });
-    return dense;
-  }
-};
-
-// The weight as 8-bit integers for prefill's integer product (torch._int_mm): each index's D
-// table bytes copied out; tables (groups, k, D) int8. A byte store per weight, where the float
-// decode writes four: this pass moves a quarter of the bytes.
-template <int W, int D>
-struct DenseI8 {
-  torch::Tensor operator()(const torch::Tensor& idx, const torch::Tensor& tables, int64_t group_size, int64_t out,
-                           int64_t in) const {
-    auto dense = torch::empty({out, in}, tables.options());
-    const uint8_t* ip = idx.data_ptr<uint8_t>();
-    const int8_t* tp = tables.data_ptr<int8_t>();
-    int8_t* dp = dense.data_ptr<int8_t>();
-    const int64_t k = tables.size(1), row_bytes = in / D * W / 8;
-    at::parallel_for(0, out, 64, [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r) {
-        const uint8_t* row = ip + r * row_bytes;
-        const int8_t* table = tp + (r / group_size) * k * D;
-        int8_t* o = dp + r * in;
-        for (int64_t q = 0; q < in / D; ++q) std::memcpy(o + q * D, table + index_at<W>(row, q) * D, D);
-      }
-    });
     return dense;
   }
 };
@@ -759,11 +837,33 @@ bool lut_q8(int64_t width) {
 #endif
 }
 
-// lut_linear on 8-bit activations: tables int8 from round_tables, each group's values over its
-// scale (scales (groups) float32) as hi bytes (D, K) and lo nibbles (two components a byte:
-// ceil(D / 2), K; 4-d vectors: lo bytes (4, K), 16 bits a value), K = 16 for nibbles (width 4,
-// D 1), 64 for pairs' 6-bit indices (width 6), 256 for byte indices (width 8) of D = 1, 2 or 4
-// weights; rows of a multiple of 32 weights (see lut_q8).
+// The vector length D of rounded tables (round_tables; scales (groups) float32) for this index
+// width, checked with idx: hi bytes (D, K) and lo nibbles (two components a byte: ceil(D / 2),
+// K; 4-d vectors: lo bytes (4, K), 16 bits a value), K = 16 for nibbles (width 4, D 1), 64 for
+// pairs' 6-bit indices (width 6), 256 for byte indices (width 8) of D = 1, 2 or 4 weights.
+int64_t q8_vector_length(const torch::Tensor& idx, const torch::Tensor& tables, const torch::Tensor& scales,
+                         int64_t width, int64_t group_size, int64_t out, int64_t in) {
+  TORCH_CHECK(width == 4 || width == 6 || width == 8, "width must be 4, 6 or 8");
+  TORCH_CHECK(group_size > 0 && out % group_size == 0, "group_size must divide out");
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat && scales.is_contiguous() && scales.numel() == out / group_size,
+              "scales: contiguous float32, one per group");
+  const int64_t per_group = tables.numel() / std::max<int64_t>(out / group_size, 1);
+  int64_t d = width == 4 ? 1 : 0;  // byte indices: the D whose hi and lo rows fill a group's table
+  for (const int64_t c : {1, 2, 4})
+    if (width != 4 && per_group == table_bytes(width, c)) d = c;
+  TORCH_CHECK(tables.scalar_type() == torch::kChar && tables.is_contiguous() &&
+                  tables.numel() == out / group_size * per_group && (width == 4 ? per_group == 32 : d > 0) &&
+                  (width != 6 || d == 2 && in / 2 % 4 == 0),
+              "tables: contiguous int8, (groups, 32) for width 4, (groups, (D + ceil(D / 2)) x 256) with D 1 or 2, "
+              "(groups, 8 x 256) with D 4 for width 8, (groups, 3 x 64) for width 6");
+  TORCH_CHECK(idx.scalar_type() == torch::kUInt8 && idx.is_contiguous() && in % d == 0 &&
+                  idx.numel() * 8 * d == out * in * width,
+              "idx: contiguous uint8, one index per ", d, " weights");
+  return d;
+}
+
+// lut_linear on 8-bit activations, tables and scales from round_tables (see q8_vector_length);
+// rows of a multiple of 32 weights (see lut_q8).
 torch::Tensor lut_linear_q8(torch::Tensor x, torch::Tensor idx, torch::Tensor tables, torch::Tensor scales,
                             int64_t width, int64_t group_size, int64_t out, torch::Tensor row_ptr, torch::Tensor col,
                             torch::Tensor delta) {
@@ -771,20 +871,7 @@ torch::Tensor lut_linear_q8(torch::Tensor x, torch::Tensor idx, torch::Tensor ta
   const int64_t in = x.size(1);
   TORCH_CHECK(lut_q8(width), "this build has no 8-bit path for width ", width, " (see lut_q8)");
   TORCH_CHECK(in % QBLOCK == 0, "rows of a multiple of 32 weights");
-  TORCH_CHECK(group_size > 0 && out % group_size == 0, "group_size must divide out");
-  TORCH_CHECK(scales.scalar_type() == torch::kFloat && scales.is_contiguous() && scales.numel() == out / group_size,
-              "scales: contiguous float32, one per group");
-  const int64_t per_group = tables.numel() / std::max<int64_t>(out / group_size, 1);
-  int64_t d = width == 4 ? 1 : 0;  // byte indices: the D whose hi and lo rows fill a group's table
-  for (const int64_t c : {1, 2, 4})
-    if (width != 4 && per_group == entries(width) * (c + lo_rows(c))) d = c;
-  TORCH_CHECK(tables.scalar_type() == torch::kChar && tables.is_contiguous() &&
-                  tables.numel() == out / group_size * per_group && (width == 4 ? per_group == 32 : d > 0) &&
-                  (width != 6 || d == 2 && in / 2 % 4 == 0),
-              "tables: contiguous int8, (groups, 32) for width 4, (groups, (D + ceil(D / 2)) x 256) with D 1 or 2, "
-              "(groups, 8 x 256) with D 4 for width 8, (groups, 3 x 64) for width 6");
-  TORCH_CHECK(idx.scalar_type() == torch::kUInt8 && idx.is_contiguous() && idx.numel() * 8 * d == out * in * width,
-              "idx: contiguous uint8, one index per ", d, " weights");
+  const int64_t d = q8_vector_length(idx, tables, scales, width, group_size, out, in);
   const Sparse sp = sparse(row_ptr, col, delta, out);
 #ifdef WSCOMPRESS_Q8_512
   if (width == 6) return run_q8<6, 2>(x, idx, tables, scales, group_size, out, sp);
@@ -799,26 +886,32 @@ torch::Tensor lut_linear_q8(torch::Tensor x, torch::Tensor idx, torch::Tensor ta
 #endif
 }
 
+// The weight lut_linear_q8 multiplies, for prefill's integer product: (2 out, in) int8, rows
+// 0 .. out - 1 the hi parts of its rounded values, rows out .. 2 out - 1 the lo parts (0..15;
+// 4-d vectors: lo - 128), so that row r is scales[r / group_size] (16 hi + lo), or for 4-d vectors
+// (256 hi + lo + 128); outliers not applied. Every build (vectorised with AVX-512 VBMI).
+torch::Tensor lut_dense_q8(torch::Tensor idx, torch::Tensor tables, torch::Tensor scales, int64_t width,
+                           int64_t group_size, int64_t out, int64_t in) {
+  const int64_t d = q8_vector_length(idx, tables, scales, width, group_size, out, in);
+  auto dense = torch::empty({2 * out, in}, tables.options());
+  const uint8_t* ip = idx.data_ptr<uint8_t>();
+  const int8_t* tp = tables.data_ptr<int8_t>();
+  int8_t* dp = dense.data_ptr<int8_t>();
+  auto rows = [&](auto decode) { at::parallel_for(0, out, 64, [&](int64_t r0, int64_t r1) { decode(r0, r1); }); };
+  if (width == 4) rows([&](int64_t r0, int64_t r1) { q8_dense_rows<4, 1>(ip, tp, group_size, in, out, dp, r0, r1); });
+  else if (width == 6) rows([&](int64_t r0, int64_t r1) { q8_dense_rows<6, 2>(ip, tp, group_size, in, out, dp, r0, r1); });
+  else if (d == 1) rows([&](int64_t r0, int64_t r1) { q8_dense_rows<8, 1>(ip, tp, group_size, in, out, dp, r0, r1); });
+  else if (d == 2) rows([&](int64_t r0, int64_t r1) { q8_dense_rows<8, 2>(ip, tp, group_size, in, out, dp, r0, r1); });
+  else rows([&](int64_t r0, int64_t r1) { q8_dense_rows<8, 4>(ip, tp, group_size, in, out, dp, r0, r1); });
+  return dense;
+}
+
 // The dense (out, in) weight, outliers included (prefill decodes it and hands it to the BLAS).
 torch::Tensor lut_dense(torch::Tensor idx, torch::Tensor tables, int64_t width, int64_t group_size, int64_t out,
                         int64_t in, torch::Tensor row_ptr, torch::Tensor col, torch::Tensor delta) {
   TORCH_CHECK(tables.scalar_type() == torch::kFloat, "tables: float32");
   const int64_t d = vector_length(tables, width, group_size, out, in, idx);
   return dispatch<Dense>(width, d, idx, tables, group_size, out, in, sparse(row_ptr, col, delta, out));
-}
-
-// The (out, in) weight of int8 tables (groups, k) or (groups, k, D), outliers not applied.
-torch::Tensor lut_dense_i8(torch::Tensor idx, torch::Tensor tables, int64_t width, int64_t group_size, int64_t out,
-                           int64_t in) {
-  TORCH_CHECK(tables.scalar_type() == torch::kChar && tables.is_contiguous(), "tables: contiguous int8");
-  const int64_t d = vector_length(tables, width, group_size, out, in, idx);
-  if (width == 6) return DenseI8<6, 2>{}(idx, tables, group_size, out, in);
-  if (width == 4) return d == 1 ? DenseI8<4, 1>{}(idx, tables, group_size, out, in)
-                       : d == 2 ? DenseI8<4, 2>{}(idx, tables, group_size, out, in)
-                                : DenseI8<4, 4>{}(idx, tables, group_size, out, in);
-  return d == 1 ? DenseI8<8, 1>{}(idx, tables, group_size, out, in)
-       : d == 2 ? DenseI8<8, 2>{}(idx, tables, group_size, out, in)
-                : DenseI8<8, 4>{}(idx, tables, group_size, out, in);
 }
 
 // Registered as PyTorch operators (torch.ops.wscompress.lut_linear: x @ W^T for a palettized W;
@@ -832,12 +925,13 @@ TORCH_LIBRARY_FRAGMENT(wscompress, m) {
   m.def("lut_q8(int width) -> bool", &lut_q8);
   m.def("lut_dense(Tensor idx, Tensor tables, int width, int group_size, int out, int in_features, Tensor row_ptr, "
         "Tensor col, Tensor delta) -> Tensor");
-  m.def("lut_dense_i8(Tensor idx, Tensor tables, int width, int group_size, int out, int in_features) -> Tensor");
+  m.def("lut_dense_q8(Tensor idx, Tensor tables, Tensor scales, int width, int group_size, int out, int in_features) "
+        "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(wscompress, CPU, m) {
   m.impl("lut_linear", &lut_linear);
   m.impl("lut_linear_q8", &lut_linear_q8);
   m.impl("lut_dense", &lut_dense);
-  m.impl("lut_dense_i8", &lut_dense_i8);
+  m.impl("lut_dense_q8", &lut_dense_q8);
 }
