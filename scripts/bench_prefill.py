@@ -1,11 +1,13 @@
-"""Prefill's products of palettized layers: 8-bit integers (``torch._int_mm``, the default) against
-float32 (``WSCOMPRESS_INT8_PREFILL=0``: the weight decoded to float32, the BLAS), in one process.
+"""Prefill's products of palettized layers, in one process: float32 (``WSCOMPRESS_INT8_PREFILL=0``:
+the weight decoded to float32, the BLAS), 8-bit integers in every layer (``=1``: ``torch._int_mm``
+on the rounded tables' hi and lo planes) and the default (unset: integers in layers of
+``kernels.INT8_PREFILL_WEIGHTS`` weights or more, where the build decodes them vectorised).
 
 For each model shape (a decoder layer's q, k/v, o, gate/up and down projections, as many times
 as the model has layers; k/v and gate/up counted twice) and each shipped recipe's layout (random
 values: the speed does not depend on them), it times a ``--tokens``-token prefill of every
-projection, both paths alternating, best of ``--rounds``, at each thread count, and prints
-tokens/s and the integer path's speed-up, with the CPU's model and vector flags. Attention,
+projection, the paths alternating, best of ``--rounds``, at each thread count, and prints
+each path's tokens/s and speed-up over float32, with the CPU's model and vector flags. Attention,
 norms and the head are not included: this is the part the integer path changes.
 
 Writes outputs/bench_prefill/results.{json,md}.
@@ -32,10 +34,15 @@ def projections(hidden: int, ffn: int, kv: int) -> list[tuple[int, int]]:
     return [(hidden, hidden), (kv, hidden), (kv, hidden), (hidden, hidden), (ffn, hidden), (ffn, hidden), (hidden, ffn)]
 
 
+PATHS = {"float32": "0", "int8": "1", "default": None}  # WSCOMPRESS_INT8_PREFILL for each
+
+
 @torch.no_grad()
-def seconds(layers: list, inputs: dict[int, torch.Tensor], repeat: int, integer: bool) -> float:
+def seconds(layers: list, inputs: dict[int, torch.Tensor], repeat: int, path: str) -> float:
     """One prefill through ``layers`` (a decoder layer's projections), ``repeat`` times (the layers)."""
-    os.environ["WSCOMPRESS_INT8_PREFILL"] = "1" if integer else "0"
+    os.environ.pop("WSCOMPRESS_INT8_PREFILL", None)
+    if PATHS[path] is not None:
+        os.environ["WSCOMPRESS_INT8_PREFILL"] = PATHS[path]
     start = time.perf_counter()
     for _ in range(repeat):
         for layer in layers:
@@ -67,19 +74,18 @@ def main() -> None:
             layers = [random_palettized(o, i, stage, gen) for o, i in projections(hidden, ffn, kv)]
             for threads in args.threads:
                 torch.set_num_threads(threads)
-                best = {False: float("inf"), True: float("inf")}
+                best = dict.fromkeys(PATHS, float("inf"))
                 for _ in range(args.rounds + 1):  # round 0 warms up (layouts, oneDNN's kernels)
-                    for integer in (False, True):
-                        best[integer] = min(best[integer], seconds(layers, inputs, repeat, integer))
+                    for path in PATHS:
+                        best[path] = min(best[path], seconds(layers, inputs, repeat, path))
                 row = {"shape": shape, "layout": recipe, "threads": threads,
-                       "float32 tok/s": round(args.tokens / best[False], 1),
-                       "int8 tok/s": round(args.tokens / best[True], 1),
-                       "int8 x float32": round(best[False] / best[True], 2)}
+                       **{f"{path} tok/s": round(args.tokens / best[path], 1) for path in PATHS},
+                       **{f"{path} x float32": round(best["float32"] / best[path], 2) for path in ("int8", "default")}}
                 rows.append(row)
                 print(row, flush=True)
-    os.environ.pop("WSCOMPRESS_INT8_PREFILL")
+    os.environ.pop("WSCOMPRESS_INT8_PREFILL", None)
     md = (f"Prefill of {args.tokens} tokens through every decoder projection (attention, norms and head "
-          f"excluded), best of {args.rounds} rounds, both paths alternating in one process; {cpu_line()}.\n\n"
+          f"excluded), best of {args.rounds} rounds, the paths alternating in one process; {cpu_line()}.\n\n"
           + markdown(rows))
     write_results(args.out, {"rows": rows, "cpu": cpu_line()}, md)
     print(md)

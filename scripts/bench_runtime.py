@@ -36,7 +36,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from _common import REPO, markdown, toy_model, write_results
 from wscompress import kernels
 from wscompress.evaluation.bench import kernel_path
-from wscompress.evaluation.decode import StaticDecoder, cache_argument
+from wscompress.evaluation.decode import StaticDecoder, cache_argument, prompt_forward
 from wscompress.evaluation.profile import copy_bandwidth, decode_breakdown
 from wscompress.evaluation.profile import markdown as breakdown_markdown
 from wscompress.io import storage
@@ -152,14 +152,15 @@ def clock(device: torch.device) -> float:
 
 @torch.inference_mode()
 def timings(model, batch: int, prompt: int, decode: int) -> dict[str, float]:
-    """Seconds of one prefill of ``prompt`` tokens (no cache) and of ``decode`` greedy steps after it."""
+    """Seconds of one prefill of ``prompt`` tokens (``prompt_forward``: as generate() makes it) and
+    of ``decode`` greedy steps after a 32-token prompt."""
     device = model.device
     x = torch.randint(0, model.config.vocab_size, (batch, prompt), generator=torch.Generator().manual_seed(0)).to(device)
     start = clock(device)
-    model(input_ids=x, use_cache=False)
+    prompt_forward(model, x)
     prefill = clock(device) - start
     name = cache_argument(model)
-    out = model(input_ids=x[:, :32], use_cache=True)
+    out = prompt_forward(model, x[:, :32])
     past, token = getattr(out, name), out.logits[:, -1:].argmax(-1)
     start = clock(device)
     for _ in range(decode):

@@ -19,7 +19,8 @@ speed does not depend on them) and decode eagerly and compiled (``StaticDecoder(
 GGUF files are written into ``<out>`` and reused when there.
 
 Every engine decodes 16 tokens greedily after a 32-token prompt at batch 1 and prefills 128
-tokens, at each thread count; the best of ``--rounds`` rounds (engines one after the other). The table
+tokens (with its cache and no logits but the last position's, as generate() and llama.cpp
+evaluate a prompt), at each thread count; the best of ``--rounds`` rounds (engines one after the other). The table
 gives tokens/s, the ratio to llama.cpp's Q4_0 in the same run and decode GB/s (bytes read per
 token: wscompress's resident bytes, llama.cpp's file, times tokens/s), with the CPU's model and
 vector flags. This is a benchmark dependency only: neither the package nor its tests need npm or llama.cpp.

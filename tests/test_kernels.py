@@ -78,8 +78,8 @@ def test_vector_codebooks_equal_the_reference_path(d, bits, group_size, outliers
 @pytest.mark.skipif(kernels.lut() is None, reason="kernels not built here")
 def test_pairs_of_6_bit_indices_are_held_once_where_byte_products_read_them():
     """The 3-bit recipe's layout (pairs of weights, 6-bit indices): where the byte products
-    spread them (AVX-512 VBMI), the kernel layout is the stored tensor itself; elsewhere a byte
-    a pair beside it, which the AVX2 float path reads faster."""
+    spread them (builds with AVX2 or AVX-512 VBMI), the kernel layout is the stored tensor
+    itself; elsewhere a byte a pair beside it, which the AVX2 float path reads faster."""
     lin = layer(6, 8, inp=64, outliers=4, d=2)
     with torch.no_grad():
         lin(torch.randn(1, 64))
@@ -217,9 +217,9 @@ def test_decoding_on_8_bit_activations_computes_its_rounding(d, bits, group_size
     bytes of single weights, of pairs and of 4-d vectors): exactly the rounding ``q8_reference`` spells out, to float summation order,
     on rows of 2 to 5 blocks (a partial last step), groups of rows that a block of 4 straddles,
     outliers and row scales; within 0.1 % of the float product."""
-    if not kernels.q8(4 if bits <= 4 else 8):
-        pytest.skip("this CPU's build has no 8-bit path for byte indices")
     lin = layer(bits, group_size, out=48, inp=inp, outliers=outliers, d=d, scaled=scaled)
+    if not kernels.q8(lin.kernel_layout().width):
+        pytest.skip("this CPU's build has no 8-bit path for byte indices")
     x = torch.randn(rows, inp, generator=torch.Generator().manual_seed(rows * inp))  # not the order tests ran in
     x[0, :32] = 0  # a block of zeros rounds to zeros (no division by its scale)
     with torch.no_grad():
@@ -312,7 +312,7 @@ def test_a_layout_off_the_cpu_has_no_8_bit_tables():
 @pytest.mark.cross_build
 def test_the_avx2_build_decodes_nibbles_on_8_bit_activations():
     """The AVX2 build (``WSCOMPRESS_MARCH=haswell``, what a CPU without AVX-512 compiles) runs
-    the 8-bit path for nibble tables and the float path for bytes of pairs, with the same
+    the 8-bit path for nibble tables and 6-bit pairs, the float path for bytes of pairs, with the same
     results as its rounding and the reference path, float16 weights (F16C) and the integer
     prefill's scalar decode: the checking machines have no AVX-512."""
     import subprocess
@@ -327,8 +327,8 @@ def test_the_avx2_build_decodes_nibbles_on_8_bit_activations():
         pytest.skip("this CPU's own build is the AVX2 one, which the other tests run")
     here = Path(__file__).parent
     env = {**__import__("os").environ, "WSCOMPRESS_MARCH": "haswell"}
-    check = ("from wscompress import kernels; assert 'haswell' in kernels.status() and kernels.q8(4) "
-             "and not kernels.q8(8), kernels.status()")
+    check = ("from wscompress import kernels; assert 'haswell' in kernels.status() and kernels.q8(4) and kernels.q8(6) "
+             "and not kernels.q8(8) and kernels.six_bit_pairs(), kernels.status()")
     assert subprocess.run([sys.executable, "-c", check], env=env).returncode == 0
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(here / "test_kernels.py"),
                           "-k", "8_bit_activations_computes or lut_matmul_equals or vector_codebooks_equal or half_weights "

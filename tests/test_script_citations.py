@@ -11,8 +11,8 @@ PLACES = ["README.md", "docs/**/*.md", "wscompress/**/*.py", "tests/*.py", "scri
 
 
 def test_citations_are_found():
-    text = "run `python scripts/bench_q8.py FOLDER`, scripts/experiments/int8_prefill_error.py; not my_scripts/y.py or scripts/"
-    assert CITED.findall(text) == ["scripts/bench_q8.py", "scripts/experiments/int8_prefill_error.py"]
+    text = "run `python scripts/bench_q8.py FOLDER`, scripts/experiments/six_bit_pairs.py; not my_scripts/y.py or scripts/"
+    assert CITED.findall(text) == ["scripts/bench_q8.py", "scripts/experiments/six_bit_pairs.py"]
 
 
 def test_every_cited_script_exists():

@@ -23,7 +23,7 @@ from ..io import storage, ui
 from ..io.checkpoints import checkpoint_files, load_model, resolve_path
 from ..io.offload import model_device, offload_of
 from ..recipe.schema import BenchConfig, ModelConfig
-from .decode import StaticDecoder, cache_argument
+from .decode import StaticDecoder, cache_argument, prompt_forward
 from .profile import copy_bandwidth, decode_breakdown
 from .report import peak_memory_mb
 
@@ -70,12 +70,12 @@ def throughput(model: nn.Module, batch: int, seq_len: int, cfg: BenchConfig) -> 
     x = torch.randint(0, model.config.vocab_size, (batch, seq_len), generator=gen).to(device)
 
     def prefill(_):
-        model(input_ids=x, use_cache=False)
+        prompt_forward(model, x)
 
     name = cache_argument(model)
 
     def prompt_cache():
-        out = model(input_ids=x, use_cache=True)
+        out = prompt_forward(model, x)
         return getattr(out, name), out.logits[:, -1:].argmax(-1)
 
     def decode(state):

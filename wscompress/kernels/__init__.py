@@ -42,7 +42,8 @@ def _disabled() -> bool:
 
 # Kernels registered as PyTorch operators (torch.ops.wscompress.*), which a compiled graph calls
 # like any aten op; the others are plain Python modules (calibration's, never inside a graph).
-OPERATORS = {"lut": ("lut_linear", "lut_linear_q8", "lut_dense", "lut_dense_q8"), "lowrank": ("lowrank_linear",)}
+OPERATORS = {"lut": ("lut_linear", "lut_linear_q8", "lut_linear_i8", "lut_dense", "lut_dense_q8"),
+             "lowrank": ("lowrank_linear",)}
 
 
 # Intel's AVX-512 gathers fetch a palettized row's pairs of weights in one instruction, 1.2-1.3x
@@ -102,8 +103,8 @@ def build_lock(build: Path) -> Iterator[None]:
 
 
 def _march() -> str:
-    """The CPU the kernels are compiled for: this one, or ``WSCOMPRESS_MARCH`` (e.g. ``haswell``
-    for AVX2 only, to test or time another machine's path on this one)."""
+    """The CPU the kernels are compiled for: this one, or ``WSCOMPRESS_MARCH``, a CPU with AVX2 at
+    least (e.g. ``haswell`` for AVX2 only, to test or time another machine's path on this one)."""
     return os.environ.get("WSCOMPRESS_MARCH", "native")
 
 
@@ -116,6 +117,8 @@ def _shape_rules(source: str) -> None:
             lambda x, idx, tables, scales, width, group_size, out, row_ptr, col, delta: x.new_empty(x.shape[0], out))
         torch.library.register_fake("wscompress::lut_dense")(
             lambda idx, tables, width, group_size, out, in_features, row_ptr, col, delta: tables.new_empty(out, in_features))
+        torch.library.register_fake("wscompress::lut_linear_i8")(
+            lambda x, idx, tables, scales, width, group_size, out, row_ptr, col, delta: x.new_empty(x.shape[0], out))
         torch.library.register_fake("wscompress::lut_dense_q8")(
             lambda idx, tables, scales, width, group_size, out, in_features: tables.new_empty(2 * out, in_features))
     else:
@@ -293,7 +296,7 @@ def palettized_linear(x: torch.Tensor, indices: torch.Tensor, width: int, tables
     flat = x.reshape(-1, x.shape[-1]).contiguous()
     sparse = outliers or _NO_OUTLIERS
     if flat.shape[0] > DECODE_ROWS and rounded is not None and integer_prefill(width, tables, out_features, flat.shape[1]):
-        y = _integer_product(module, flat, indices, width, tables, rounded, group_size, out_features, sparse)
+        y = module.lut_linear_i8(flat, indices, *rounded, width, group_size, out_features, *sparse)
     elif flat.shape[0] > DECODE_ROWS:  # prefill: decode this layer's dense weight once (transient), the BLAS multiplies
         w = module.lut_dense(indices, tables.detach().float().contiguous(), width, group_size, out_features, flat.shape[1], *sparse)
         y = F.linear(flat, w)
@@ -308,7 +311,8 @@ def palettized_linear(x: torch.Tensor, indices: torch.Tensor, width: int, tables
 
 def integer_prefill(width: int, tables: torch.Tensor, out: int, inp: int) -> bool:
     """Whether prefill and evaluation multiply this palettized layer in 8-bit integers
-    (``_integer_product``, the rounding decoding's byte products use): for every layout but
+    (``lut_linear_i8``: torch's ``_int_mm`` on the weight decoding's byte products multiply, the
+    activations in two 8-bit parts a row, perplexity within 0.04 %): for every layout but
     nibble vectors, as ``WSCOMPRESS_INT8_PREFILL`` says: ``1`` always, ``0`` never, unset where
     the build decodes the weight vectorised (``lut_q8(8)``: AVX-512 VBMI) and the layer has at
     least INT8_PREFILL_WEIGHTS weights: its three integer products gain on float32 where the
@@ -319,40 +323,7 @@ def integer_prefill(width: int, tables: torch.Tensor, out: int, inp: int) -> boo
     return choice == "1" or q8(8) and out * inp >= INT8_PREFILL_WEIGHTS
 
 
-INT8_PREFILL_WEIGHTS = 1 << 23  # 2048 x 2048 ties with float32, 2048 x 5632 gains (docs/runtime.md)
-
-
-def _integer_product(module, x: torch.Tensor, indices: torch.Tensor, width: int, tables: torch.Tensor,
-                     rounded: tuple[torch.Tensor, torch.Tensor], group_size: int, out: int,
-                     sparse: SparseRows) -> torch.Tensor:
-    """x Wᵀ (x: rows, in) in 8-bit integers through torch's own integer matmul (``torch._int_mm``:
-    oneDNN's VNNI or AVX2 kernels, 5.6x float32's rate on one core here, docs/runtime.md). The
-    weight is the one decoding multiplies: the ``rounded`` tables' values v = U·hi + lo (U 16,
-    4-d vectors 256), decoded by ``lut_dense_q8`` as an hi and a lo plane of bytes. The
-    activations: two 8-bit parts a row, x ≈ s·a + s/254·b (about 15 bits: one part cost 2.7 %
-    of perplexity on SmolLM2). Three products, as decoding's: a·hi, a·lo and b·hi (b·lo is below
-    2⁻¹² of the sum). The weights kept aside add their exact corrections in float (a sparse
-    CSR product)."""
-    packed, scales = rounded
-    wide = tables.dim() == 3 and tables.shape[2] == 4
-    unit = 256.0 if wide else 16.0
-    w = module.lut_dense_q8(indices, packed, scales, width, group_size, out, x.shape[1])  # (2 out, in): hi, lo
-    s = x.abs().amax(1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) / 127
-    a = (x / s).round()
-    b = ((x / s - a) * 254).round().to(torch.int8)
-    hi_lo = torch._int_mm(a.to(torch.int8), w.t())
-    y = hi_lo[:, :out].float().mul_(unit).add_(hi_lo[:, out:])
-    y.add_(torch._int_mm(b, w[:out].t()).float(), alpha=unit / 254)
-    if wide:  # their lo plane holds lo - 128
-        y.add_(a.sum(1, keepdim=True), alpha=128.0)
-    y.mul_(s).mul_(scales.repeat_interleave(group_size, output_size=out))
-    row_ptr, col, delta = sparse
-    if col.numel():
-        with warnings.catch_warnings():  # "sparse CSR support is in beta"
-            warnings.simplefilter("ignore", UserWarning)
-            corrections = torch.sparse_csr_tensor(row_ptr, col, delta, (out, x.shape[1]))
-        y.add_((corrections @ x.t()).t())
-    return y
+INT8_PREFILL_WEIGHTS = 1 << 22  # from 2048 x 2048 on the products tie with float32 or gain (docs/runtime.md)
 
 
 _q8: dict[int, bool] = {}  # q8()'s answers by index width (a global: a compiled graph reads it as a constant)
@@ -360,8 +331,9 @@ _q8: dict[int, bool] = {}  # q8()'s answers by index width (a global: a compiled
 
 def q8(width: int) -> bool:
     """Whether decoding multiplies 8-bit activations (``lut_linear_q8``) for tables of this index
-    width: nibbles where the LUT kernels are built with AVX2 or AVX-512 BW/VBMI/VNNI, bytes of
-    pairs with the latter only (on AVX2 their look-ups cost more than the float path's), unless
+    width: nibbles and pairs' 6-bit indices where the LUT kernels are built with AVX2 or AVX-512
+    BW/VBMI/VNNI, byte indices with the latter only (on AVX2 their 256-entry look-ups cost more
+    than the float path's), unless
     ``WSCOMPRESS_Q8=0`` keeps float activations. Rounding the activations to 8 bits a block of
     32 moves the decoded tokens' perplexity by the figure docs/runtime.md gives; prefill and
     evaluation stay in float."""
@@ -427,13 +399,14 @@ def half_linear(x: torch.Tensor, weight16: torch.Tensor, bias: torch.Tensor | No
 
 def six_bit_pairs() -> bool:
     """Whether the CPU kernels read pairs' 6-bit indices as stored (the 3-bit recipe, held once):
-    where their byte products spread them (AVX-512 BW/VBMI/VNNI, this CPU's own build, byte
-    products on). The float path spreads them too, but 8 at a time: with AVX2 it decoded at
-    0.62-0.72x a byte a pair (docs/runtime.md), so there the layout keeps a byte a pair."""
+    where their byte products spread them, which every build for a CPU with AVX2 has (AVX-512
+    VBMI: a byte permute and VPMULTISHIFTQB; AVX2: shifts, and VPSHUFB over four 16-entry
+    parts), byte products on. The float path spreads them 8 at a time: with AVX2 it decoded at
+    0.62-0.72x a byte a pair (docs/runtime.md), so without byte products the layout keeps a byte
+    a pair. ``WSCOMPRESS_MARCH`` names a CPU with AVX2 at least (haswell or later)."""
     from ..io.hardware import cpu_flags
 
-    return (not _disabled() and _march() == "native" and os.environ.get("WSCOMPRESS_Q8", "1") != "0"
-            and {"avx512bw", "avx512vbmi", "avx512_vnni"} <= cpu_flags())
+    return not _disabled() and os.environ.get("WSCOMPRESS_Q8", "1") != "0" and "avx2" in cpu_flags()
 
 
 # the compressed layers (modeling_wscompress) call these where they apply, their torch path elsewhere

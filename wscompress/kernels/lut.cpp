@@ -317,12 +317,12 @@ torch::Tensor run(const torch::Tensor& x, const torch::Tensor& idx, const torch:
 // bytes, as in llama.cpp's Q4_0 x Q8_0 product. On AVX-512 (BW, VBMI, VNNI) a 256-entry byte
 // table sits in four registers and two two-source byte permutes and a blend look up 64 indices
 // (a nibble table: one register, a byte shuffle per 64), and VPDPBUSD multiplies 64 bytes into
-// the sums in one instruction. On AVX2 nibble tables take VPSHUFB and VPMADDUBSW; there byte
-// indices keep the float path, which was faster than a gather or 16 loads a block. Layouts:
-// scalar nibble tables (width 4, D 1), and on AVX-512 byte indices of single weights (5-8-bit
-// scalar tables), of pairs (the 3- and 4-bit recipes; the 3-bit one's 6-bit indices spread
-// to bytes by a byte permute and VPMULTISHIFTQB) and of 4-d vectors (the 2-bit recipe); rows of a
-// multiple of 32 weights.
+// the sums in one instruction. On AVX2 nibble tables and 6-bit pairs' take VPSHUFB (four and
+// two blends for 64 entries) and VPMADDUBSW; there byte indices keep the float path. Layouts:
+// scalar nibble tables (width 4, D 1), 6-bit indices of pairs (the 3-bit recipe, spread to bytes
+// by a byte permute and VPMULTISHIFTQB, on AVX2 by shifts), and on AVX-512 byte indices of
+// single weights (5-8-bit scalar tables), of pairs (the 4-bit recipe) and of 4-d vectors (the
+// 2-bit recipe); rows of a multiple of 32 weights.
 constexpr int QBLOCK = 32;  // weights an activation scale covers
 
 // Components an index byte's products take: the two weights of a nibble byte, or the D weights a
@@ -542,17 +542,55 @@ inline void q8_block(const Q8Table<W, D>& tab, const Q8X& x, const uint8_t* idx,
     for (int m = 0; m < M; ++m) q8_store(tab.scale * _mm512_reduce_add_ps(acc[i][m]), sp, xf + m * in, y + m * out, r + i);
 }
 #else
-// AVX2, nibbles only (byte indices would need a gather or 16 loads a block, slower than the
-// float path): hi signed, lo in 0..15, the 16 entries of each in both 128-bit lanes.
+// AVX2: tables VPSHUFB reaches, hi signed and lo in 0..15, each 16 entries in both 128-bit
+// lanes of a register: nibbles (16 entries: hi, lo) and pairs' 6-bit indices (64 entries: four
+// registers a row, picked by two blends, for the rows hi of component 0, hi of 1, and lo, two
+// nibbles a byte). Byte indices keep the float path: 256 entries cost sixteen shuffles and
+// fifteen blends a row, more than the float path's gather.
 template <int W, int D>
 struct Q8Table {
-  __m256i hi, lo;
+  static constexpr int REGS = W == 6 ? 12 : 2;
+  __m256i t[REGS];
   float scale;
 
   void load(const int8_t* q, float scale_) {
     scale = scale_;
-    hi = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
-    lo = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)));
+    for (int i = 0; i < REGS; ++i) t[i] = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * i)));
+  }
+
+  // the hi and lo bytes of both components of 32 index units (n of them real: 32, or 16 at a
+  // row's end): nibble bytes (weights 2q, 2q + 1) or 6-bit indices of pairs, four in three bytes
+  inline void decode(const uint8_t* p, int64_t n, __m256i (&h)[2], __m256i (&l)[2]) const {
+    const __m256i nibble = _mm256_set1_epi8(15);
+    if constexpr (W == 6) {
+      alignas(32) uint8_t tail[32] = {};
+      if (n < 32) std::memcpy(tail, p, n / 4 * 3), p = tail;  // never read past the indices
+      // bytes 0..11 to the low lane, 12..23 to the high, each three to a dword, each 6 bits to a byte
+      const __m256i packed = _mm256_set_m128i(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 16)),
+                                              _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+      const __m256i lanes = _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 1, 2, 0, 3, 4, 5, 0));
+      const __m256i v = _mm256_shuffle_epi8(lanes, _mm256_setr_epi8(0, 1, 2, -1, 3, 4, 5, -1, 6, 7, 8, -1, 9, 10, 11, -1,
+                                                                    0, 1, 2, -1, 3, 4, 5, -1, 6, 7, 8, -1, 9, 10, 11, -1));
+      const __m256i id = _mm256_or_si256(
+          _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0x3F)), _mm256_and_si256(_mm256_slli_epi32(v, 2), _mm256_set1_epi32(0x3F00))),
+          _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi32(v, 4), _mm256_set1_epi32(0x3F0000)),
+                          _mm256_and_si256(_mm256_slli_epi32(v, 6), _mm256_set1_epi32(0x3F000000))));
+      const __m256i bit4 = _mm256_slli_epi16(id, 3), bit5 = _mm256_slli_epi16(id, 2);  // to each byte's bit 7, what blends read
+      auto look = [&](const __m256i* r) {
+        const __m256i a = _mm256_blendv_epi8(_mm256_shuffle_epi8(r[0], id), _mm256_shuffle_epi8(r[1], id), bit4);
+        const __m256i b = _mm256_blendv_epi8(_mm256_shuffle_epi8(r[2], id), _mm256_shuffle_epi8(r[3], id), bit4);
+        return _mm256_blendv_epi8(a, b, bit5);
+      };
+      h[0] = look(t), h[1] = look(t + 4);
+      const __m256i both = look(t + 8);
+      l[0] = _mm256_and_si256(both, nibble), l[1] = _mm256_and_si256(_mm256_srli_epi16(both, 4), nibble);
+    } else {
+      const __m256i id = n >= 32 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+                                 : _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+      const __m256i a = _mm256_and_si256(id, nibble), b = _mm256_and_si256(_mm256_srli_epi16(id, 4), nibble);
+      h[0] = _mm256_shuffle_epi8(t[0], a), h[1] = _mm256_shuffle_epi8(t[0], b);
+      l[0] = _mm256_shuffle_epi8(t[1], a), l[1] = _mm256_shuffle_epi8(t[1], b);
+    }
   }
 };
 
@@ -568,8 +606,9 @@ inline void q8_block(const Q8Table<W, D>& tab, const Q8X& x, const uint8_t* idx,
   __m256 acc[N][M];
   for (int i = 0; i < N; ++i)
     for (int m = 0; m < M; ++m) acc[i][m] = _mm256_setzero_ps();
-  const __m256i nibble = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
-  for (int64_t q = 0; q < row_bytes; q += 32) {  // 64 weights a step; the last may hold 32
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int64_t units = W == 6 ? row_bytes / 3 * 4 : row_bytes;  // index units a row (6 bits: four in three bytes)
+  for (int64_t q = 0; q < units; q += 32) {  // 64 weights a step; the last may hold 32
     __m256i xs[M][2][2];  // term, component
     __m256 sc[M];
     for (int m = 0; m < M; ++m) {
@@ -578,17 +617,14 @@ inline void q8_block(const Q8Table<W, D>& tab, const Q8X& x, const uint8_t* idx,
       sc[m] = _mm256_loadu_ps(x.lane.data() + m * x.lanes + q / 4);
     }
     for (int i = 0; i < N; ++i) {
-      const uint8_t* p = idx + (r + i) * row_bytes + q;
+      const uint8_t* p = idx + (r + i) * row_bytes + (W == 6 ? q / 4 * 3 : q);
       if (q % 64 == 0) prefetch(p + N * row_bytes);
-      const __m256i id = row_bytes - q >= 32 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
-                                             : _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-      const __m256i a = _mm256_and_si256(id, nibble), b = _mm256_and_si256(_mm256_srli_epi16(id, 4), nibble);
-      const __m256i h0 = _mm256_shuffle_epi8(tab.hi, a), h1 = _mm256_shuffle_epi8(tab.hi, b);
-      const __m256i l0 = _mm256_shuffle_epi8(tab.lo, a), l1 = _mm256_shuffle_epi8(tab.lo, b);
+      __m256i h[2], l[2];
+      tab.decode(p, units - q, h, l);
       for (int m = 0; m < M; ++m) {
-        auto hi = [&](int t) { return _mm256_add_epi32(q8_dot_signed(h0, xs[m][t][0]), q8_dot_signed(h1, xs[m][t][1])); };
+        auto hi = [&](int t) { return _mm256_add_epi32(q8_dot_signed(h[0], xs[m][t][0]), q8_dot_signed(h[1], xs[m][t][1])); };
         const __m256i lo = _mm256_madd_epi16(
-            _mm256_add_epi16(_mm256_maddubs_epi16(l0, xs[m][0][0]), _mm256_maddubs_epi16(l1, xs[m][0][1])), ones);
+            _mm256_add_epi16(_mm256_maddubs_epi16(l[0], xs[m][0][0]), _mm256_maddubs_epi16(l[1], xs[m][0][1])), ones);
         // (16 hi + lo)(256 q1 + q2) without lo q2, which stays below 2^-12 of the largest product
         const __m256i first = _mm256_add_epi32(_mm256_slli_epi32(hi(0), 4), lo);
         const __m256i d = _mm256_add_epi32(_mm256_slli_epi32(first, 8), _mm256_slli_epi32(hi(1), 4));
@@ -831,7 +867,7 @@ bool lut_q8(int64_t width) {
 #ifdef WSCOMPRESS_Q8_512
   return width == 4 || width == 6 || width == 8;
 #elif defined(WSCOMPRESS_Q8)
-  return width == 4;
+  return width == 4 || width == 6;
 #else
   return false;
 #endif
@@ -873,8 +909,10 @@ torch::Tensor lut_linear_q8(torch::Tensor x, torch::Tensor idx, torch::Tensor ta
   TORCH_CHECK(in % QBLOCK == 0, "rows of a multiple of 32 weights");
   const int64_t d = q8_vector_length(idx, tables, scales, width, group_size, out, in);
   const Sparse sp = sparse(row_ptr, col, delta, out);
-#ifdef WSCOMPRESS_Q8_512
+#ifdef WSCOMPRESS_Q8
   if (width == 6) return run_q8<6, 2>(x, idx, tables, scales, group_size, out, sp);
+#endif
+#ifdef WSCOMPRESS_Q8_512
   if (width == 8) return d == 1 ? run_q8<8, 1>(x, idx, tables, scales, group_size, out, sp)
                        : d == 2 ? run_q8<8, 2>(x, idx, tables, scales, group_size, out, sp)
                                 : run_q8<8, 4>(x, idx, tables, scales, group_size, out, sp);
@@ -906,6 +944,71 @@ torch::Tensor lut_dense_q8(torch::Tensor idx, torch::Tensor tables, torch::Tenso
   return dense;
 }
 
+// Prefill's product on the weight decoding multiplies, in 8-bit integers through torch's own
+// integer matmul (at::_int_mm: oneDNN's VNNI or AVX2 kernels): the weight as lut_dense_q8's hi
+// and lo planes, each input row split into two 8-bit parts, x = s (a + b / 254) with s the
+// row's largest magnitude / 127 (about 15 bits: one part alone cost 2.7 % of perplexity), and
+// three products, a hi, a lo and b hi (b lo stays below 2^-12 of the sum), joined with the
+// scales and the outliers' float corrections in one pass: the element-wise passes torch would
+// make over the products cost a fifth of the layer at 1.1B.
+torch::Tensor lut_linear_i8(torch::Tensor x, torch::Tensor idx, torch::Tensor tables, torch::Tensor scales,
+                            int64_t width, int64_t group_size, int64_t out, torch::Tensor row_ptr, torch::Tensor col,
+                            torch::Tensor delta) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x: contiguous float32 (batch, in)");
+  const int64_t rows = x.size(0), in = x.size(1);
+  const int64_t d = q8_vector_length(idx, tables, scales, width, group_size, out, in);
+  const Sparse sp = sparse(row_ptr, col, delta, out);
+  const torch::Tensor planes = lut_dense_q8(idx, tables, scales, width, group_size, out, in);
+  auto a = torch::empty({rows, in}, tables.options()), b = torch::empty({rows, in}, tables.options());
+  std::vector<float> s(rows), a_sum(rows);
+  const float* xp = x.data_ptr<float>();
+  int8_t *ap = a.data_ptr<int8_t>(), *bp = b.data_ptr<int8_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const float* row = xp + m * in;
+      float amax = 0.f, sum = 0.f;
+      for (int64_t j = 0; j < in; ++j) amax = std::max(amax, std::fabs(row[j]));
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      for (int64_t j = 0; j < in; ++j) {
+        const float v = row[j] * inv, r = std::nearbyint(v);
+        ap[m * in + j] = static_cast<int8_t>(r), bp[m * in + j] = static_cast<int8_t>(std::nearbyint((v - r) * 254.f));
+        sum += r;
+      }
+      s[m] = amax / 127.f, a_sum[m] = sum;
+    }
+  });
+  const torch::Tensor both = at::_int_mm(a, planes.t()), hi_b = at::_int_mm(b, planes.narrow(0, 0, out).t());
+  const float unit = wide(d) ? 256.f : 16.f, offset = wide(d) ? 128.f : 0.f;  // 4-d vectors' lo plane holds lo - 128
+  std::vector<float> row_scale(out);
+  const float* sc = scales.data_ptr<float>();
+  for (int64_t r = 0; r < out; ++r) row_scale[r] = sc[r / group_size];
+  // the outliers' corrections (out, rows), by torch's sparse product: a row of the weight's few
+  // against whole input columns (a loop over input rows gathered one value at a time, 4x slower)
+  torch::Tensor corrections;
+  if (sp.row_ptr) {
+    struct Quiet : c10::WarningHandler {
+      void process(const c10::Warning&) override {}  // "sparse CSR support is in beta"
+    } quiet;
+    const c10::WarningUtils::WarningHandlerGuard guard(&quiet);
+    corrections = at::mm(at::sparse_csr_tensor(row_ptr, col, delta, {out, in}, x.options().layout(torch::kSparseCsr)), x.t()).contiguous();
+  }
+  const float* cp = sp.row_ptr ? corrections.data_ptr<float>() : nullptr;
+  auto y = torch::empty({rows, out}, x.options());
+  float* yp = y.data_ptr<float>();
+  const int32_t *pp = both.data_ptr<int32_t>(), *qp = hi_b.data_ptr<int32_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const int32_t *p = pp + m * 2 * out, *q = qp + m * out;
+      const float base = offset * a_sum[m];
+      float* ym = yp + m * out;
+      for (int64_t r = 0; r < out; ++r) ym[r] = (unit * p[r] + p[out + r] + unit / 254.f * q[r] + base) * s[m] * row_scale[r];
+      if (cp)
+        for (int64_t r = 0; r < out; ++r) ym[r] += cp[r * rows + m];
+    }
+  });
+  return y;
+}
+
 // The dense (out, in) weight, outliers included (prefill decodes it and hands it to the BLAS).
 torch::Tensor lut_dense(torch::Tensor idx, torch::Tensor tables, int64_t width, int64_t group_size, int64_t out,
                         int64_t in, torch::Tensor row_ptr, torch::Tensor col, torch::Tensor delta) {
@@ -927,6 +1030,8 @@ TORCH_LIBRARY_FRAGMENT(wscompress, m) {
         "Tensor col, Tensor delta) -> Tensor");
   m.def("lut_dense_q8(Tensor idx, Tensor tables, Tensor scales, int width, int group_size, int out, int in_features) "
         "-> Tensor");
+  m.def("lut_linear_i8(Tensor x, Tensor idx, Tensor tables, Tensor scales, int width, int group_size, int out, "
+        "Tensor row_ptr, Tensor col, Tensor delta) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(wscompress, CPU, m) {
@@ -934,4 +1039,5 @@ TORCH_LIBRARY_IMPL(wscompress, CPU, m) {
   m.impl("lut_linear_q8", &lut_linear_q8);
   m.impl("lut_dense", &lut_dense);
   m.impl("lut_dense_q8", &lut_dense_q8);
+  m.impl("lut_linear_i8", &lut_linear_i8);
 }
