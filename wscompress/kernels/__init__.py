@@ -285,7 +285,8 @@ def palettized_linear(x: torch.Tensor, indices: torch.Tensor, width: int, tables
     unavailable, on CPU not float32, on CUDA more than DECODE_ROWS rows: prefill is
     compute-bound, and cuBLAS on the weight decoded by torch wins there). Decoding on CPU
     multiplies 8-bit activations by the ``rounded`` tables (``modeling_wscompress.round_tables``)
-    where they are given and the CPU has the instructions (``Q8``)."""
+    where they are given and the CPU has the instructions (``Q8``); prefill multiplies the same
+    tables in 8-bit integers where ``integer_prefill`` says, else the BLAS on the decoded weight."""
     if torch.is_grad_enabled() and (x.requires_grad or tables.requires_grad):
         return None
     if _triton_path(x):
@@ -333,10 +334,9 @@ def q8(width: int) -> bool:
     """Whether decoding multiplies 8-bit activations (``lut_linear_q8``) for tables of this index
     width: nibbles and pairs' 6-bit indices where the LUT kernels are built with AVX2 or AVX-512
     BW/VBMI/VNNI, byte indices with the latter only (on AVX2 their 256-entry look-ups cost more
-    than the float path's), unless
-    ``WSCOMPRESS_Q8=0`` keeps float activations. Rounding the activations to 8 bits a block of
-    32 moves the decoded tokens' perplexity by the figure docs/runtime.md gives; prefill and
-    evaluation stay in float."""
+    than the float path's), unless ``WSCOMPRESS_Q8=0`` keeps float activations. Rounding the
+    activations to 8 bits a block of 32 moves the decoded tokens' perplexity by the figure
+    docs/runtime.md gives; prefill and evaluation multiply as ``integer_prefill`` says."""
     if width not in _q8:
         _q8[width] = (os.environ.get("WSCOMPRESS_Q8", "1") != "0" and lut() is not None
                       and bool(torch.ops.wscompress.lut_q8(width)))

@@ -317,8 +317,8 @@ torch::Tensor run(const torch::Tensor& x, const torch::Tensor& idx, const torch:
 // bytes, as in llama.cpp's Q4_0 x Q8_0 product. On AVX-512 (BW, VBMI, VNNI) a 256-entry byte
 // table sits in four registers and two two-source byte permutes and a blend look up 64 indices
 // (a nibble table: one register, a byte shuffle per 64), and VPDPBUSD multiplies 64 bytes into
-// the sums in one instruction. On AVX2 nibble tables and 6-bit pairs' take VPSHUFB (four and
-// two blends for 64 entries) and VPMADDUBSW; there byte indices keep the float path. Layouts:
+// the sums in one instruction. On AVX2 a nibble table takes one VPSHUFB, a 64-entry one (6-bit
+// pairs) four and three blends, and VPMADDUBSW multiplies; byte indices keep the float path. Layouts:
 // scalar nibble tables (width 4, D 1), 6-bit indices of pairs (the 3-bit recipe, spread to bytes
 // by a byte permute and VPMULTISHIFTQB, on AVX2 by shifts), and on AVX-512 byte indices of
 // single weights (5-8-bit scalar tables), of pairs (the 4-bit recipe) and of 4-d vectors (the
@@ -544,7 +544,7 @@ inline void q8_block(const Q8Table<W, D>& tab, const Q8X& x, const uint8_t* idx,
 #else
 // AVX2: tables VPSHUFB reaches, hi signed and lo in 0..15, each 16 entries in both 128-bit
 // lanes of a register: nibbles (16 entries: hi, lo) and pairs' 6-bit indices (64 entries: four
-// registers a row, picked by two blends, for the rows hi of component 0, hi of 1, and lo, two
+// registers a row, picked by three blends, for the rows hi of component 0, hi of 1, and lo, two
 // nibbles a byte). Byte indices keep the float path: 256 entries cost sixteen shuffles and
 // fifteen blends a row, more than the float path's gather.
 template <int W, int D>
