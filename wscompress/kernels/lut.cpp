@@ -982,28 +982,47 @@ torch::Tensor lut_linear_i8(torch::Tensor x, torch::Tensor idx, torch::Tensor ta
   std::vector<float> row_scale(out);
   const float* sc = scales.data_ptr<float>();
   for (int64_t r = 0; r < out; ++r) row_scale[r] = sc[r / group_size];
-  // the outliers' corrections (out, rows), by torch's sparse product: a row of the weight's few
-  // against whole input columns (a loop over input rows gathered one value at a time, 4x slower)
+  // the outliers' corrections (out, rows), for weight rows that have some: each against whole
+  // input columns, the input transposed once so that a column is contiguous (a loop gathering
+  // one input value at a time cost 4x this; torch's sparse CSR product as much, beta API aside)
   torch::Tensor corrections;
   if (sp.row_ptr) {
-    struct Quiet : c10::WarningHandler {
-      void process(const c10::Warning&) override {}  // "sparse CSR support is in beta"
-    } quiet;
-    const c10::WarningUtils::WarningHandlerGuard guard(&quiet);
-    corrections = at::mm(at::sparse_csr_tensor(row_ptr, col, delta, {out, in}, x.options().layout(torch::kSparseCsr)), x.t()).contiguous();
+    corrections = torch::empty({out, rows}, x.options());
+    const torch::Tensor xt = x.t().contiguous();
+    const float* xtp = xt.data_ptr<float>();
+    float* by_row = corrections.data_ptr<float>();
+    at::parallel_for(0, out, 64, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        float* c = by_row + r * rows;
+        for (int64_t k = sp.row_ptr[r]; k < sp.row_ptr[r + 1]; ++k) {
+          const float d = sp.delta[k], *column = xtp + sp.col[k] * rows;
+          if (k == sp.row_ptr[r])
+            for (int64_t m = 0; m < rows; ++m) c[m] = d * column[m];
+          else
+            for (int64_t m = 0; m < rows; ++m) c[m] += d * column[m];
+        }
+      }
+    });
   }
   const float* cp = sp.row_ptr ? corrections.data_ptr<float>() : nullptr;
   auto y = torch::empty({rows, out}, x.options());
   float* yp = y.data_ptr<float>();
   const int32_t *pp = both.data_ptr<int32_t>(), *qp = hi_b.data_ptr<int32_t>();
-  at::parallel_for(0, rows, 1, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) {
-      const int32_t *p = pp + m * 2 * out, *q = qp + m * out;
-      const float base = offset * a_sum[m];
-      float* ym = yp + m * out;
-      for (int64_t r = 0; r < out; ++r) ym[r] = (unit * p[r] + p[out + r] + unit / 254.f * q[r] + base) * s[m] * row_scale[r];
+  // 16 input rows at a time: a cache line of a weight row's corrections serves them all (one row
+  // at a time read a line per output, 10x the corrections' cost)
+  at::parallel_for(0, (rows + 15) / 16, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t m0 = 16 * b0; m0 < std::min(rows, 16 * b1); m0 += 16) {
+      const int64_t m1 = std::min(rows, m0 + 16);
+      for (int64_t m = m0; m < m1; ++m) {
+        const int32_t *p = pp + m * 2 * out, *q = qp + m * out;
+        const float base = offset * a_sum[m];
+        float* ym = yp + m * out;
+        for (int64_t r = 0; r < out; ++r) ym[r] = (unit * p[r] + p[out + r] + unit / 254.f * q[r] + base) * s[m] * row_scale[r];
+      }
       if (cp)
-        for (int64_t r = 0; r < out; ++r) ym[r] += cp[r * rows + m];
+        for (int64_t r = 0; r < out; ++r)
+          if (sp.row_ptr[r + 1] > sp.row_ptr[r])
+            for (int64_t m = m0; m < m1; ++m) yp[m * out + r] += cp[r * rows + m];
     }
   });
   return y;
