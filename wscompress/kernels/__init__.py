@@ -401,7 +401,7 @@ def six_bit_pairs() -> bool:
     """Whether the CPU kernels read pairs' 6-bit indices as stored (the 3-bit recipe, held once):
     where their byte products spread them, which every build for a CPU with AVX2 has (AVX-512
     VBMI: a byte permute and VPMULTISHIFTQB; AVX2: shifts, and VPSHUFB over four 16-entry
-    parts: held once at 0.71x the speed of a byte a pair, docs/runtime.md), byte products on.
+    parts: held once at 0.53-1.04x the speed of a byte a pair, docs/runtime.md), byte products on.
     The float path spreads them 8 at a time, slower than it reads a byte a pair, so without byte
     products the layout keeps a byte a pair. ``WSCOMPRESS_MARCH`` names a CPU with AVX2 at least."""
     from ..io.hardware import cpu_flags

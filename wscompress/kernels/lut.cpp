@@ -928,9 +928,9 @@ torch::Tensor lut_linear_q8(torch::Tensor x, torch::Tensor idx, torch::Tensor ta
 // 0 .. out - 1 the hi parts of its rounded values, rows out .. 2 out - 1 the lo parts (0..15;
 // 4-d vectors: lo - 128), so that row r is scales[r / group_size] (16 hi + lo), or for 4-d vectors
 // (256 hi + lo + 128); outliers not applied. Every build (vectorised with AVX-512 VBMI).
-torch::Tensor lut_dense_q8(torch::Tensor idx, torch::Tensor tables, torch::Tensor scales, int64_t width,
-                           int64_t group_size, int64_t out, int64_t in) {
-  const int64_t d = q8_vector_length(idx, tables, scales, width, group_size, out, in);
+// (d: the tables' vector length, as q8_vector_length found it)
+torch::Tensor dense_q8(const torch::Tensor& idx, const torch::Tensor& tables, int64_t width, int64_t group_size,
+                       int64_t out, int64_t in, int64_t d) {
   auto dense = torch::empty({2 * out, in}, tables.options());
   const uint8_t* ip = idx.data_ptr<uint8_t>();
   const int8_t* tp = tables.data_ptr<int8_t>();
@@ -942,6 +942,11 @@ torch::Tensor lut_dense_q8(torch::Tensor idx, torch::Tensor tables, torch::Tenso
   else if (d == 2) rows([&](int64_t r0, int64_t r1) { q8_dense_rows<8, 2>(ip, tp, group_size, in, out, dp, r0, r1); });
   else rows([&](int64_t r0, int64_t r1) { q8_dense_rows<8, 4>(ip, tp, group_size, in, out, dp, r0, r1); });
   return dense;
+}
+
+torch::Tensor lut_dense_q8(torch::Tensor idx, torch::Tensor tables, torch::Tensor scales, int64_t width,
+                           int64_t group_size, int64_t out, int64_t in) {
+  return dense_q8(idx, tables, width, group_size, out, in, q8_vector_length(idx, tables, scales, width, group_size, out, in));
 }
 
 // Prefill's product on the weight decoding multiplies, in 8-bit integers through torch's own
@@ -958,7 +963,7 @@ torch::Tensor lut_linear_i8(torch::Tensor x, torch::Tensor idx, torch::Tensor ta
   const int64_t rows = x.size(0), in = x.size(1);
   const int64_t d = q8_vector_length(idx, tables, scales, width, group_size, out, in);
   const Sparse sp = sparse(row_ptr, col, delta, out);
-  const torch::Tensor planes = lut_dense_q8(idx, tables, scales, width, group_size, out, in);
+  const torch::Tensor planes = dense_q8(idx, tables, width, group_size, out, in, d);
   auto a = torch::empty({rows, in}, tables.options()), b = torch::empty({rows, in}, tables.options());
   std::vector<float> s(rows), a_sum(rows);
   const float* xp = x.data_ptr<float>();
