@@ -4,7 +4,7 @@ bytes a value) gains in speed and costs in quality against the float path, in on
 1. ``--products``: single products at batch 1 on SmolLM2's shapes and a 4096 x 4096 one (larger
    than the caches), for the layouts the path covers, with random tables and indices (speed does
    not depend on them): microseconds, speed-up, and gigabytes of indices read a second; then the
-   float16 head's product (``half_linear``) against float32 ``F.linear``.
+   heads' products, float16 (``half_linear``) and int8 blocks (``int8_linear``), against float32 ``F.linear``.
    ``WSCOMPRESS_MARCH=haswell`` times the AVX2 build on an AVX-512 machine.
 2. FOLDER ...: real compressed models: perplexity through the decode path itself
    (teacher-forced, one token a step through the KV cache, batch 1: the rows the kernels take)
@@ -34,7 +34,7 @@ from _common import cpu_line, parse, parser, toy_model
 from bench_runtime import MODELS, RECIPES, TOY_SHAPES, random_layout
 from wscompress import compress, kernels, load
 from wscompress.io import data, storage
-from wscompress.model.modeling_wscompress import round_tables
+from wscompress.model.modeling_wscompress import Int8Linear, round_tables
 
 TEXTS = ["builtin:wiki.test", "builtin:brown"]
 LAYOUTS = {  # label -> (index width, weights an index, table entries); tables per 64 rows
@@ -46,7 +46,7 @@ LAYOUTS = {  # label -> (index width, weights an index, table entries); tables p
     "4-d, 8-bit indices (2-bit recipe)": (8, 4, 256),
 }
 SHAPES = [(576, 576), (1536, 576), (576, 1536), (4096, 4096)]  # (out, in)
-HEADS = [(49152, 576), (1536, 576)]  # the float16 head's products: SmolLM2's head, and a smaller one
+HEADS = [(49152, 576), (49152, 2048), (1536, 576)]  # the narrow heads' products: SmolLM2's, TinyLlama's, a smaller one
 NONE = (torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int32), torch.empty(0))
 
 
@@ -79,16 +79,19 @@ def products(shapes: list[tuple[int, int]], heads: list[tuple[int, int]]) -> Non
                 continue
             q8 = best_us(lambda: ops.lut_linear_q8(x, idx, *rounded, width, 64, out, *NONE), calls)
             print(f"| {label} | {out} x {inp} | {fl:.1f} | {q8:.1f} | {fl / q8:.2f}x | {idx.numel() / q8 / 1e3:.1f} |", flush=True)
-    # the float16 head (method: half) against the float32 one, the same product at batch 1
-    print("\n| dense weight | out x in | float32 F.linear µs | float16 half_linear µs | speed-up | GB/s of weights |")
-    print("|---|---|---|---|---|---|")
+    # the narrow heads (method: half, method: int8) against the float32 one, the same product at batch 1
+    print("\n| dense weight | out x in | float32 F.linear µs | float16 half_linear µs | int8 int8_linear µs "
+          "| float16 speed-up | int8 speed-up | int8 GB/s of weights |")
+    print("|---|---|---|---|---|---|---|---|")
     for out, inp in heads:
         w, x = torch.randn(out, inp, generator=gen) * 0.02, torch.randn(1, inp, generator=gen)
         w16, calls = w.half(), 20 if out * inp > 1e7 else 200
+        q, s16 = Int8Linear.from_weight(w, None).stored()
         fl = best_us(lambda: F.linear(x, w), calls)
         half = best_us(lambda: ops.half_linear(x, w16, None), calls)
-        print(f"| float16 head | {out} x {inp} | {fl:.1f} | {half:.1f} | {fl / half:.2f}x | {2 * w16.numel() / half / 1e3:.1f} |",
-              flush=True)
+        int8 = best_us(lambda: ops.int8_linear(x, q, s16, None), calls)
+        print(f"| head | {out} x {inp} | {fl:.1f} | {half:.1f} | {int8:.1f} | {fl / half:.2f}x | {fl / int8:.2f}x "
+              f"| {(q.numel() + 2 * s16.numel()) / int8 / 1e3:.1f} |", flush=True)
 
 
 def step_by_step(model, window: torch.Tensor) -> tuple[float, int, float]:

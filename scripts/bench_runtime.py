@@ -78,10 +78,11 @@ MODELS = {  # label -> compress stages (empty: the dense model)
     "svd 40 %": [{"method": "svd", "whitening": False, "ratio": 0.4}],
 }
 # the tied embedding / head (one table): in a layout of the recipe's bits it costs 20-25 % of
-# perplexity; 8-bit scalar codebooks per 64 rows cost 0.2 %; float16 (what the shipped recipes
-# store) nothing measurable (docs/runtime.md)
+# perplexity; 8-bit scalar codebooks per 64 rows (HEAD_8BIT, for the records) 0.16-0.25 %; int8
+# blocks (what the shipped recipes store) and float16 nothing measurable (docs/runtime.md)
 HEAD = {"targets": [r"model\.layers\.", "lm_head"]}
 HEAD_HALF = {"method": "half"}
+HEAD_INT8 = {"method": "int8"}
 HEAD_8BIT = {**PLAIN, "bits": 8, "granularity": "grouped", "group_size": 64, "codebook_dtype": "float16",
              "targets": ["lm_head"]}
 RECIPES = {  # the shipped recipes' layouts (labels above)
@@ -91,8 +92,8 @@ RECIPES = {  # the shipped recipes' layouts (labels above)
     "configs/kmeans_4bit_fast.yaml": "kmeans 4-bit per channel + row scales + 0.07 % outliers"}
 for _recipe, _label in RECIPES.items():
     MODELS[f"{_recipe} layout + tied embedding/head in it"] = [{**MODELS[_label][0], **HEAD}]
-    MODELS[f"{_recipe} layout + 8-bit tied embedding/head"] = [MODELS[_label][0], HEAD_8BIT]
-    MODELS[f"{_recipe} layout + float16 tied embedding/head"] = [MODELS[_label][0], HEAD_HALF]  # the recipe as shipped
+    MODELS[f"{_recipe} layout + float16 tied embedding/head"] = [MODELS[_label][0], HEAD_HALF]
+    MODELS[f"{_recipe} layout + int8 tied embedding/head"] = [MODELS[_label][0], HEAD_INT8]  # the recipe as shipped
 
 
 def random_palettized(out: int, inp: int, stage: dict, gen: torch.Generator):

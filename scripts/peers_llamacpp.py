@@ -35,7 +35,7 @@ both engines' AVX2 paths.
 
 Writes outputs/peers_llamacpp/results-<shape>[-<march>].{json,md} and prints the table.
 Usage: python scripts/peers_llamacpp.py [--shape smollm2|tinyllama] [--threads 1 2] [--rounds 5] [--dry-run]
-           [--models dense "configs/kmeans_4bit.yaml layout + float16 tied embedding/head" ...]
+           [--models dense "configs/kmeans_4bit.yaml layout + int8 tied embedding/head" ...]
 """
 
 from __future__ import annotations
@@ -284,8 +284,8 @@ def wscompress_times(model, rounds: int, prompt: torch.Tensor, decoder: StaticDe
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    default = ["dense", RECIPES["configs/kmeans_4bit.yaml"], *(f"{r} layout + float16 tied embedding/head" for r in RECIPES),
-               "configs/kmeans_4bit.yaml layout + 8-bit tied embedding/head"]
+    default = ["dense", RECIPES["configs/kmeans_4bit.yaml"], *(f"{r} layout + int8 tied embedding/head" for r in RECIPES),
+               "configs/kmeans_4bit.yaml layout + float16 tied embedding/head"]
     ap.add_argument("--models", nargs="+", default=default, choices=list(MODELS))
     ap.add_argument("--quants", nargs="+", default=list(QUANTS), choices=QUANTS)
     ap.add_argument("--shape", default="smollm2", choices=list(SHAPES),

@@ -26,6 +26,7 @@ BASES = {
     "huffman": [{"method": "kmeans", "bits": 4, "entropy_coding": True}],
     "low_rank": [{"method": "svd", "ratio": 0.3, "whitening": False}],
     "half": [{"method": "half"}],  # the tied table in float16, stored under the embedding's name
+    "int8": [{"method": "int8"}],  # the tied table in int8 blocks
 }
 TABLE = "model.embed_tokens.table.bits16"  # (512, 64) int16
 LAYER = "model.layers.0.mlp.down_proj"  # (64, 128)
@@ -100,6 +101,9 @@ CASES = {
     "a truncated weight file": ("palettized", ("folder", _truncate), r"truncated"),
     "a float16 table of another shape": ("half", ("tensors", lambda t: t.__setitem__(TABLE, t[TABLE][:500].clone())),
                                          r"bits16' is \[500, 64\] torch.int16"),
+    "int8 scales of another shape": ("int8", ("tensors", lambda t: t.__setitem__(
+        "model.embed_tokens.table.scale_bits", t["model.embed_tokens.table.scale_bits"][:, :1].clone())),
+        r"scale_bits' is \[512, 1\] torch.int16"),
 }
 
 

@@ -84,38 +84,46 @@ def test_factorize_twice_names_the_fix():
         compress(model, [{"method": "factorize_embeddings", "rank": 4}])
 
 
+STORED = {"half": ("HalfLinear", 512 * 64 * 2), "int8": ("Int8Linear", 512 * 64 + 512 * 2 * 2)}  # its bytes: 16 bits,
+# or 8 a weight and a float16 scale per 32
+
+
+@pytest.mark.parametrize("stage", sorted(STORED))
 @pytest.mark.parametrize("kind", ["llama", "llama_mha"])  # tied, then a separate head
-def test_half_head_is_stored_once_in_16_bits_and_computes_as_its_rounded_weights(kind, tokenizer, tmp_path):
-    """The ``half`` stage stores the head in float16: a tied embedding reads the same table (stored
-    once, tied after loading), the model computes what the rounded weights give (decode steps by
-    the kernel, prefill by the torch path), the file shrinks by half the table, and a dense
-    export gives stock transformers the same model."""
+def test_narrow_head_is_stored_once_and_computes_as_its_rounded_weights(kind, stage, tokenizer, tmp_path):
+    """The ``half`` and ``int8`` stages store the head in fewer bits: a tied embedding reads the
+    same table (stored once, tied after loading), the model computes what the rounded weights give
+    (decode steps by the kernel, prefill by the torch path), the file shrinks by what the table
+    saves, and a dense export gives stock transformers the same model."""
     from wscompress import kernels
     from wscompress.evaluation.bench import kernel_path
-    from wscompress.model.modeling_wscompress import HalfLinear, PalettizedEmbedding
+    from wscompress.model import modeling_wscompress
+    from wscompress.model.modeling_wscompress import PalettizedEmbedding
 
+    form, nbytes = getattr(modeling_wscompress, STORED[stage][0]), STORED[stage][1]
     model = tiny_model(kind)
     tied = model.config.tie_word_embeddings
     w = model.get_output_embeddings().weight.detach().clone()
     before = storage.stats(model)["tensor_bytes"]
     x = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        model.get_output_embeddings().weight.copy_(w.half().float())  # what the stage's rounding gives
+        model.get_output_embeddings().weight.copy_(form.from_weight(w, None).dense_weight())  # the stage's rounding
         rounded = model(x).logits
         model.get_output_embeddings().weight.copy_(w)
-    (row,) = compress(model, [{"method": "half"}])
+    (row,) = compress(model, [{"method": stage}])
     head, emb = model.get_output_embeddings(), model.get_input_embeddings()
-    assert isinstance(head, HalfLinear) and head.bits16.dtype == torch.int16 and row["layers"] == 1
+    dtypes = [t.dtype for t in head.stored()]
+    assert isinstance(head, form) and row["layers"] == 1 and 0 < row["per_layer"][0]["rel_error"] < 0.01
     assert isinstance(emb, PalettizedEmbedding) and emb.table is head if tied else isinstance(emb, torch.nn.Embedding)
-    assert storage.stats(model)["tensor_bytes"] == before - 512 * 64 * 2
-    assert "float16 layers: kernel" in kernel_path(model) or kernels.lowrank() is None  # what bench reports
+    assert storage.stats(model)["tensor_bytes"] == before - 512 * 64 * 4 + nbytes
+    assert "float16/int8 layers: kernel" in kernel_path(model) or kernels.lowrank() is None  # what bench reports
     with torch.no_grad():
         torch.testing.assert_close(model(x).logits, rounded, rtol=1e-5, atol=1e-5)
         out = model(x, use_cache=True)  # a decode step (one row a sequence) on the kernel path
         step = model(x[:, :1], past_key_values=out.past_key_values).logits
         model.get_output_embeddings().weight  # noqa: B018 - a dense copy on request, as peft reads it
-    model.to(torch.float64)  # the table stays 16 bits; rows and products follow the model's dtype
-    assert head.bits16.dtype == torch.int16 and emb(x).dtype == torch.float64
+    model.to(torch.float64)  # the table stays as stored; rows and products follow the model's dtype
+    assert [t.dtype for t in head.stored()] == dtypes and emb(x).dtype == torch.float64
     model.to(torch.float32)
     saved = storage.save(model, tokenizer, tmp_path / "m")
     loaded, _ = storage.load(tmp_path / "m")
@@ -129,6 +137,23 @@ def test_half_head_is_stored_once_in_16_bits_and_computes_as_its_rounded_weights
     stock = AutoModelForCausalLM.from_pretrained(tmp_path / "dense")
     with torch.no_grad():
         torch.testing.assert_close(stock(x).logits, rounded, rtol=1e-5, atol=1e-5)
+
+
+def test_int8_is_exact_on_a_weight_already_on_its_grid_and_refuses_widths_it_cannot_block():
+    """A weight that is int8 values times a float16 scale per 32 (a Q8_0 checkpoint's) comes back
+    exactly; a head whose width is no multiple of 32 is refused before any work, naming ``half``."""
+    from wscompress.model.modeling_wscompress import Int8Linear
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randint(-127, 128, (96, 64), generator=gen).float()
+    q[:, ::32] = 127  # each block reaches its largest magnitude, as absmax rounding makes it
+    scale = (torch.rand(96, 2, generator=gen) / 50 + 1e-3).half().float()
+    w = (q.view(96, 2, 32) * scale[..., None]).view(96, 64)
+    assert torch.equal(Int8Linear.from_weight(w, None).dense_weight(), w)
+    model = tiny_model("llama")
+    model.lm_head = torch.nn.Linear(40, 512, bias=False)  # checked on its own, before the model ever runs
+    with pytest.raises(UsageError, match="(?s)40 inputs, not a multiple of 32.*method: half"):
+        compress(model, [{"method": "int8"}])
 
 
 def test_half_refuses_a_target_that_matches_nothing_before_any_work():

@@ -331,7 +331,7 @@ def test_the_avx2_build_decodes_nibbles_on_8_bit_activations():
              "and not kernels.q8(8) and kernels.six_bit_pairs(), kernels.status()")
     assert subprocess.run([sys.executable, "-c", check], env=env).returncode == 0
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(here / "test_kernels.py"),
-                          "-k", "8_bit_activations_computes or lut_matmul_equals or vector_codebooks_equal or half_weights "
+                          "-k", "8_bit_activations_computes or lut_matmul_equals or vector_codebooks_equal or half_weights or int8_blocks "
                           "or 6_bit or integer"],
                          env=env, cwd=here.parent, capture_output=True, text=True)
     assert run.returncode == 0 and " passed" in run.stdout, run.stdout[-3000:]
@@ -572,6 +572,32 @@ def test_half_weights_multiply_into_float32_sums(rows, inp):
     assert x.grad is not None and lin.bias.grad is not None
 
 
+@pytest.mark.skipif(kernels.lowrank() is None, reason="kernels not built here")
+@pytest.mark.parametrize("rows", [1, 3, 8, 9])
+@pytest.mark.parametrize("inp", [32, 576, 4096])
+def test_int8_blocks_multiply_into_float32_sums(rows, inp):
+    """Int8 weights with a float16 scale per 32 (Int8Linear) times float32 rows: the product of the
+    stored values in float32, for decoding (up to 8 rows; 37 rows leave a remainder of the kernel's
+    4-row step; 4096 columns skip the prefetches); longer inputs and gradients take the torch path."""
+    from wscompress.model.modeling_wscompress import Int8Linear
+
+    torch.manual_seed(rows)
+    w, bias, x = torch.randn(37, inp), torch.randn(37), torch.randn(rows, inp)
+    w[3] = 0  # an all-zero row: scale 0, values 0
+    lin = Int8Linear.from_weight(w, bias)
+    exact = F.linear(x, lin.dense_weight(), bias)
+    assert (lin.dense_weight() - w).abs().max() <= w.abs().max() / 254 * 1.01  # half a step of the largest block
+    with torch.no_grad():
+        y = kernels.int8_linear(x, lin.q, lin.scale16, lin.bias)
+        assert (y is None) == (rows > DECODE_ROWS)
+        if y is not None:
+            torch.testing.assert_close(y, exact, rtol=1e-4, atol=1e-4)  # sums in another order
+        torch.testing.assert_close(lin(x.view(1, rows, inp)), exact.view(1, rows, 37), rtol=1e-4, atol=1e-4)
+    assert kernels.int8_linear(x.requires_grad_(), lin.q, lin.scale16, lin.bias) is None  # training: torch
+    lin(x).sum().backward()
+    assert x.grad is not None and lin.bias.grad is not None
+
+
 @pytest.mark.skipif(kernels.lut() is None or kernels.lowrank() is None, reason="kernels not built here")
 def test_kernels_are_pytorch_operators_with_shape_rules():
     """The kernels are torch.ops.wscompress operators (a compiled graph calls them like aten's):
@@ -589,6 +615,8 @@ def test_kernels_are_pytorch_operators_with_shape_rules():
     torch.library.opcheck(torch.ops.wscompress.lowrank_linear.default, (torch.randn(2, 70), basis, coeff, None))
     torch.library.opcheck(torch.ops.wscompress.lowrank_linear.default, (torch.randn(1, 1, 70), basis, coeff, torch.randn(37)))
     torch.library.opcheck(torch.ops.wscompress.half_linear.default, (torch.randn(1, 1, 70), basis.half(), None))
+    q, s = torch.randint(-127, 128, (37, 64), dtype=torch.int8), torch.rand(37, 2).half()
+    torch.library.opcheck(torch.ops.wscompress.int8_linear.default, (torch.randn(1, 2, 64), q, s, torch.randn(37)))
 
 
 @pytest.mark.skipif(kernels.lowrank() is None, reason="kernels not built here")

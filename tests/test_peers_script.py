@@ -15,7 +15,7 @@ HIDDEN, FFN, LAYERS, HEADS, KV, HEAD_DIM = 128, 256, 2, 4, 2, 32  # the dry run'
 
 def test_peers_llamacpp_dry_run_tinyllama(tmp_path):
     # two of the models (every layout's building is the benchmark runtime's own, tested there): the suite's time
-    models = ["dense", "configs/kmeans_4bit.yaml layout + float16 tied embedding/head"]
+    models = ["dense", "configs/kmeans_4bit.yaml layout + int8 tied embedding/head"]
     run_script("peers_llamacpp.py", "--shape", "tinyllama", "--dry-run", "--out", str(tmp_path), "--models", *models)
     results = json.loads((tmp_path / "results-tinyllama.json").read_text())
     assert results["shape"] == "tinyllama" and results["dry_run"] and results["cpu"]

@@ -39,6 +39,7 @@ FORMS = {
                                          "group_size": 16, "row_scale": True, "outliers": 0.01}]),
     "palettized_huffman": ("llama", [{"method": "kmeans", "bits": 4, "entropy_coding": True}]),
     "palettized_embeddings": ("llama", [{"method": "kmeans", "bits": 4, "targets": ["lm_head"], "outliers": 0.01}]),  # tied: one table
+    "int8_embeddings": ("llama", [{"method": "kmeans", "bits": 4}, {"method": "int8"}]),  # the shipped recipes' head
     "soft_share_deltas": ("llama", [{"method": "soft_share", "window": 2, "rank": 4, "starts": [1]}]),
     "cross_layer": ("llama", [{"method": "cross_layer", "what": "ffn", "group_size": 2}]),
     "merged_layers": ("llama", [{"method": "merge", "n": 2}]),

@@ -120,7 +120,7 @@ def measure(model_cfg: ModelConfig, cfg: BenchConfig, quiet: bool = False) -> di
 def kernel_path(model: nn.Module) -> str:
     """How the model's compressed layers compute, in words (for the report)."""
     from .. import kernels
-    from ..model.modeling_wscompress import HalfLinear, LowRankLinear, PalettizedLinear
+    from ..model.modeling_wscompress import LowRankLinear, NarrowLinear, PalettizedLinear
 
     cpu = model_device(model).type == "cpu"
     parts = []
@@ -137,10 +137,10 @@ def kernel_path(model: nn.Module) -> str:
     if any(isinstance(m, LowRankLinear) for m in model.modules()):
         fused = cpu and kernels.lowrank() is not None
         parts.append("low-rank: fused kernel for decoding, BLAS for prefill" if fused else "low-rank: two matmuls (torch)")
-    if any(isinstance(m, HalfLinear) for m in model.modules()):
+    if any(isinstance(m, NarrowLinear) for m in model.modules()):
         fused = cpu and kernels.lowrank() is not None
-        parts.append("float16 layers: kernel with float32 sums for decoding, BLAS on converted slices for prefill"
-                     if fused else "float16 layers: weight converted per forward (torch)")
+        parts.append("float16/int8 layers: kernel with float32 sums for decoding, BLAS on converted slices for prefill"
+                     if fused else "float16/int8 layers: weight converted per forward (torch)")
     return "; ".join(parts) + f" [{kernels.status()}]" if parts else "dense matmuls (torch)"
 
 

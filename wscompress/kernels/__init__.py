@@ -1,5 +1,5 @@
 """Compiled CPU kernels: look-up-table matmul for palettized weights (``lut.cpp``), dense
-products for decoding (``lowrank.cpp``: fused low-rank factors, float16 weights), k-means' nearest-centroid search and
+products for decoding (``lowrank.cpp``: fused low-rank factors, float16 and int8 weights), k-means' nearest-centroid search and
 seeding (``kmeans.cpp``), and for calibration's bfloat16 passes with
 AVX-512 BF16 the Gram matrices and cross products (``products.cpp``) and a one-pass RMSNorm
 (``norms.cpp``); on CUDA, the look-up-table product for
@@ -126,6 +126,8 @@ def _shape_rules(source: str) -> None:
             lambda x, basis, coeff, bias: x.new_empty(*x.shape[:-1], coeff.shape[0]))
         torch.library.register_fake("wscompress::half_linear")(
             lambda x, w, bias: x.new_empty(*x.shape[:-1], w.shape[0]))
+        torch.library.register_fake("wscompress::int8_linear")(
+            lambda x, q, s, bias: x.new_empty(*x.shape[:-1], q.shape[0]))
 
 
 def _build_folder() -> str:
@@ -385,16 +387,29 @@ def low_rank_linear(x: torch.Tensor, basis: torch.Tensor, coeff: torch.Tensor,
     return module.lowrank_linear(x, basis, coeff, bias)
 
 
-def half_linear(x: torch.Tensor, weight16: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """x Wᵀ + b for a float16 W (``HalfLinear``) with float32 sums, for decoding on CPU, or None
-    where the kernel does not apply (more than DECODE_ROWS rows, not float32, kernels
-    unavailable, gradients needed): the layer then converts W for the call."""
+def _narrow(x: torch.Tensor, bias: torch.Tensor | None):
+    """The operators that multiply a NarrowLinear's stored weight into float32 sums, or None where
+    they do not apply (more than DECODE_ROWS rows, not CPU float32, kernels unavailable, gradients
+    needed): the layer then converts its weight for the call."""
     module = _compiled_ops() or lowrank()
     if (module is None or x.device.type != "cpu" or x.dtype != torch.float32 or x.numel() > DECODE_ROWS * x.shape[-1]
             or bias is not None and bias.dtype != torch.float32
             or torch.is_grad_enabled() and (x.requires_grad or bias is not None and bias.requires_grad)):
         return None
-    return module.half_linear(x, weight16, bias)
+    return module
+
+
+def half_linear(x: torch.Tensor, weight16: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """x Wᵀ + b for a float16 W (``HalfLinear``) with float32 sums, for decoding on CPU, or None (``_narrow``)."""
+    module = _narrow(x, bias)
+    return None if module is None else module.half_linear(x, weight16, bias)
+
+
+def int8_linear(x: torch.Tensor, q: torch.Tensor, scale16: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """x Wᵀ + b for W = int8 ``q`` times a float16 scale per 32 of a row (``Int8Linear``) with
+    float32 sums, for decoding on CPU, or None (``_narrow``)."""
+    module = _narrow(x, bias)
+    return None if module is None else module.int8_linear(x, q, scale16, bias)
 
 
 def six_bit_pairs() -> bool:
@@ -410,5 +425,6 @@ def six_bit_pairs() -> bool:
 
 
 # the compressed layers (modeling_wscompress) call these where they apply, their torch path elsewhere
-modeling_wscompress.KERNELS.update(palettized=palettized_linear, low_rank=low_rank_linear, half=half_linear)
+modeling_wscompress.KERNELS.update(palettized=palettized_linear, low_rank=low_rank_linear, half=half_linear,
+                                  int8=int8_linear)
 modeling_wscompress.SIX_BIT_PAIRS = ("cpu",) if six_bit_pairs() else ()

@@ -1,7 +1,10 @@
 // Dense products for decoding (up to 8 input rows), each weight row read once:
 // - lowrank_linear (LowRankLinear / SharedBasisLinear): y = coeff (basis x) + bias in one call;
 // - half_linear (HalfLinear, e.g. a tied head stored in float16): y = W x + bias with W in 16 bits
-//   and float32 sums, which reads half the bytes of the float32 product.
+//   and float32 sums, which reads half the bytes of the float32 product;
+// - int8_linear (Int8Linear: int8 weights, a float16 scale per 32 of a row): the same in 8.5 bits a
+//   weight. The activations stay float32: decoding streams the weight from memory, and converting
+//   bytes to floats costs less than the time their cache lines take to arrive.
 //
 // At batch 1 these are matrix-vector products that stream their weight from memory once; the
 // BLAS call chain (linear -> matmul -> t -> mm) costs more than the work on thin factors, and its
@@ -143,6 +146,109 @@ void gemv_any(int64_t m, const float* x, const T* w, const float* bias, int64_t 
   }
 }
 
+// y[m, r] = sum_b s[r, b] sum_{j in block b} q[r, j] x[m, j] (+ bias[r]) for rows r0..r1, blocks of 32:
+// each block's sum in float32 lanes, times its scale into the row's accumulator.
+template <int M, int R>
+void gemv_q8_rows(const float* x, const int8_t* q, const at::Half* s, const float* bias, int64_t k, int64_t out,
+                  float* y, int64_t r0, int64_t r1) {
+  const int64_t nb = k / 32;
+  const bool short_rows = k < 4096;  // as in gemv_rows: ask for the next rows' lines ahead of the prefetchers
+  int64_t r = r0;
+  for (; r + R <= r1; r += R) {
+    float sums[R][M];
+    if (short_rows) for (int i = 0; i < R; ++i) prefetch(s + (r + i + R) * nb);
+#ifdef __AVX512F__
+    __m512 acc[R][M];
+    for (int i = 0; i < R; ++i)
+      for (int m = 0; m < M; ++m) acc[i][m] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t j = 32 * b;
+      __m512 x0[M], x1[M];
+      for (int m = 0; m < M; ++m) x0[m] = _mm512_loadu_ps(x + m * k + j), x1[m] = _mm512_loadu_ps(x + m * k + j + 16);
+      if (short_rows && b % 2 == 0)
+        for (int i = 0; i < R; ++i) prefetch(q + (r + i + R) * k + j);
+      for (int i = 0; i < R; ++i) {
+        const int8_t* p = q + (r + i) * k + j;
+        const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+        const __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
+        const __m512 scale = _mm512_set1_ps(static_cast<float>(s[(r + i) * nb + b]));
+        for (int m = 0; m < M; ++m)
+          acc[i][m] = _mm512_fmadd_ps(_mm512_fmadd_ps(w1, x1[m], _mm512_mul_ps(w0, x0[m])), scale, acc[i][m]);
+      }
+    }
+    for (int i = 0; i < R; ++i)
+      for (int m = 0; m < M; ++m) sums[i][m] = _mm512_reduce_add_ps(acc[i][m]);
+#elif defined(__AVX2__)
+    __m256 acc[R][M];
+    for (int i = 0; i < R; ++i)
+      for (int m = 0; m < M; ++m) acc[i][m] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t j = 32 * b;
+      if (short_rows && b % 2 == 0)
+        for (int i = 0; i < R; ++i) prefetch(q + (r + i + R) * k + j);
+      for (int i = 0; i < R; ++i) {
+        const int8_t* p = q + (r + i) * k + j;
+        __m256 w[4];
+        for (int c = 0; c < 4; ++c)
+          w[c] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * c))));
+        const __m256 scale = _mm256_set1_ps(static_cast<float>(s[(r + i) * nb + b]));
+        for (int m = 0; m < M; ++m) {  // x from L1 each time: 4 M registers of it would not fit beside R M sums
+          const float* xm = x + m * k + j;
+          __m256 t = _mm256_mul_ps(w[0], _mm256_loadu_ps(xm));
+          for (int c = 1; c < 4; ++c) t = _mm256_fmadd_ps(w[c], _mm256_loadu_ps(xm + 8 * c), t);
+          acc[i][m] = _mm256_fmadd_ps(t, scale, acc[i][m]);
+        }
+      }
+    }
+    for (int i = 0; i < R; ++i)
+      for (int m = 0; m < M; ++m) sums[i][m] = sum8(acc[i][m]);
+#else
+    for (int i = 0; i < R; ++i)
+      for (int m = 0; m < M; ++m) {
+        float total = 0.f;
+        for (int64_t b = 0; b < nb; ++b) {
+          float part = 0.f;
+          for (int64_t j = 32 * b; j < 32 * b + 32; ++j) part += q[(r + i) * k + j] * x[m * k + j];
+          total += part * static_cast<float>(s[(r + i) * nb + b]);
+        }
+        sums[i][m] = total;
+      }
+#endif
+    for (int i = 0; i < R; ++i)
+      for (int m = 0; m < M; ++m) y[m * out + r + i] = sums[i][m] + (bias ? bias[r + i] : 0.f);
+  }
+  if constexpr (R > 1) {
+    if (r < r1) gemv_q8_rows<M, 1>(x, q, s, bias, k, out, y, r, r1);
+  }
+}
+
+template <int M>
+void gemv_q8(const float* x, const int8_t* q, const at::Half* s, const float* bias, int64_t k, int64_t out, float* y) {
+  constexpr int R = M <= 2 ? 4 : M <= 4 ? 2 : 1;
+  at::parallel_for(0, out, 64, [&](int64_t r0, int64_t r1) { gemv_q8_rows<M, R>(x, q, s, bias, k, out, y, r0, r1); });
+}
+
+// What every product here takes and returns: x's rows (at most 8, float32) as one contiguous
+// (m, in) matrix, the bias ((out,) float32) or an undefined tensor, and y (..., out) to fill.
+struct Call {
+  torch::Tensor flat, bias, y;
+  const float* bias_ptr() const { return bias.defined() ? bias.data_ptr<float>() : nullptr; }
+};
+
+Call prepare(const char* name, const torch::Tensor& x, int64_t out, const c10::optional<torch::Tensor>& bias) {
+  Call call{x.reshape({-1, x.size(-1)}).contiguous(), {}, {}};
+  TORCH_CHECK(call.flat.size(0) <= 8, name, ": at most 8 rows");
+  TORCH_CHECK(call.flat.scalar_type() == torch::kFloat, name, ": x must be float32");
+  if (bias.has_value()) {
+    call.bias = bias->contiguous();
+    TORCH_CHECK(call.bias.scalar_type() == torch::kFloat && call.bias.numel() == out, name, ": bias must be (out,) float32");
+  }
+  auto sizes = x.sizes().vec();
+  sizes.back() = out;
+  call.y = torch::empty(sizes, x.options());
+  return call;
+}
+
 }  // namespace
 
 // x (..., in) with at most 8 rows, basis (rank, in), coeff (out, rank), bias (out) or None; float32,
@@ -150,47 +256,56 @@ void gemv_any(int64_t m, const float* x, const T* w, const float* bias, int64_t 
 // not in Python: at batch 1 each dispatcher call costs as much as the matmul of a small factor.
 torch::Tensor lowrank_linear(torch::Tensor x, torch::Tensor basis, torch::Tensor coeff, c10::optional<torch::Tensor> bias) {
   const int64_t in = x.size(-1), rank = basis.size(0), out = coeff.size(0);
-  torch::Tensor flat = x.reshape({-1, in}).contiguous();
-  const int64_t m = flat.size(0);
-  TORCH_CHECK(m <= 8, "lowrank_linear: at most 8 rows");
-  for (const auto* t : {&flat, &basis, &coeff})
+  Call call = prepare("lowrank_linear", x, out, bias);
+  for (const auto* t : {&basis, &coeff})
     TORCH_CHECK(t->scalar_type() == torch::kFloat && t->is_contiguous(), "operands: contiguous float32");
   TORCH_CHECK(basis.size(1) == in && coeff.size(1) == rank, "shapes do not chain");
-  torch::Tensor b;
-  if (bias.has_value()) {
-    b = bias->contiguous();
-    TORCH_CHECK(b.scalar_type() == torch::kFloat && b.numel() == out, "bias: (out,) float32");
-  }
+  const int64_t m = call.flat.size(0);
   auto t = torch::empty({m, rank}, x.options());
-  auto sizes = x.sizes().vec();
-  sizes.back() = out;
-  auto y = torch::empty(sizes, x.options());
-  gemv_any(m, flat.data_ptr<float>(), basis.data_ptr<float>(), nullptr, in, rank, t.data_ptr<float>());
-  gemv_any(m, t.data_ptr<float>(), coeff.data_ptr<float>(), b.defined() ? b.data_ptr<float>() : nullptr, rank, out,
-           y.data_ptr<float>());
-  return y;
+  gemv_any(m, call.flat.data_ptr<float>(), basis.data_ptr<float>(), nullptr, in, rank, t.data_ptr<float>());
+  gemv_any(m, t.data_ptr<float>(), coeff.data_ptr<float>(), call.bias_ptr(), rank, out, call.y.data_ptr<float>());
+  return call.y;
 }
 
 // x (..., in) with at most 8 rows (float32), w (out, in) float16, bias (out) float32 or None:
 // x w^T + bias in float32, (..., out).
 torch::Tensor half_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
   const int64_t in = x.size(-1), out = w.size(0);
-  torch::Tensor flat = x.reshape({-1, in}).contiguous();
-  TORCH_CHECK(flat.size(0) <= 8, "half_linear: at most 8 rows");
-  TORCH_CHECK(flat.scalar_type() == torch::kFloat, "half_linear: x must be float32");
+  Call call = prepare("half_linear", x, out, bias);
   TORCH_CHECK(w.scalar_type() == torch::kHalf && w.is_contiguous() && w.dim() == 2 && w.size(1) == in,
               "half_linear: w must be a contiguous (out, in) float16 matrix");
-  torch::Tensor b;
-  if (bias.has_value()) {
-    b = bias->contiguous();
-    TORCH_CHECK(b.scalar_type() == torch::kFloat && b.numel() == out, "bias: (out,) float32");
+  gemv_any(call.flat.size(0), call.flat.data_ptr<float>(), w.data_ptr<at::Half>(), call.bias_ptr(), in, out,
+           call.y.data_ptr<float>());
+  return call.y;
+}
+
+// x (..., in) with at most 8 rows (float32), q (out, in) int8 and s (out, in / 32) float16 (Int8Linear),
+// bias (out) float32 or None: x (q * s)^T + bias in float32, (..., out).
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor s, c10::optional<torch::Tensor> bias) {
+  const int64_t in = x.size(-1), out = q.size(0);
+  Call call = prepare("int8_linear", x, out, bias);
+  TORCH_CHECK(q.scalar_type() == torch::kChar && q.is_contiguous() && q.dim() == 2 && q.size(1) == in && in % 32 == 0,
+              "int8_linear: q must be a contiguous (out, in) int8 matrix, in a multiple of 32");
+  TORCH_CHECK(s.scalar_type() == torch::kHalf && s.is_contiguous() && s.dim() == 2 && s.size(0) == out &&
+                  s.size(1) == in / 32,
+              "int8_linear: s must be a contiguous (out, in / 32) float16 matrix");
+  const float* xp = call.flat.data_ptr<float>();
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const at::Half* sp = s.data_ptr<at::Half>();
+  const float* bp = call.bias_ptr();
+  float* yp = call.y.data_ptr<float>();
+  switch (call.flat.size(0)) {
+    case 0: break;
+    case 1: gemv_q8<1>(xp, qp, sp, bp, in, out, yp); break;
+    case 2: gemv_q8<2>(xp, qp, sp, bp, in, out, yp); break;
+    case 3: gemv_q8<3>(xp, qp, sp, bp, in, out, yp); break;
+    case 4: gemv_q8<4>(xp, qp, sp, bp, in, out, yp); break;
+    case 5: gemv_q8<5>(xp, qp, sp, bp, in, out, yp); break;
+    case 6: gemv_q8<6>(xp, qp, sp, bp, in, out, yp); break;
+    case 7: gemv_q8<7>(xp, qp, sp, bp, in, out, yp); break;
+    default: gemv_q8<8>(xp, qp, sp, bp, in, out, yp);
   }
-  auto sizes = x.sizes().vec();
-  sizes.back() = out;
-  auto y = torch::empty(sizes, x.options());
-  gemv_any(flat.size(0), flat.data_ptr<float>(), w.data_ptr<at::Half>(), b.defined() ? b.data_ptr<float>() : nullptr,
-           in, out, y.data_ptr<float>());
-  return y;
+  return call.y;
 }
 
 // Registered as a PyTorch operator (torch.ops.wscompress.lowrank_linear), not a Python module: a
@@ -198,9 +313,11 @@ torch::Tensor half_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch:
 TORCH_LIBRARY_FRAGMENT(wscompress, m) {
   m.def("lowrank_linear(Tensor x, Tensor basis, Tensor coeff, Tensor? bias) -> Tensor");
   m.def("half_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor q, Tensor s, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(wscompress, CPU, m) {
   m.impl("lowrank_linear", &lowrank_linear);
   m.impl("half_linear", &half_linear);
+  m.impl("int8_linear", &int8_linear);
 }

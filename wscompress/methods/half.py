@@ -17,8 +17,8 @@ from pydantic import Field
 from torch import nn
 
 from ..errors import UsageError
-from ..model.arch import Conv1D, replace_everywhere, target_layers, tied_to_embeddings, weight_of
-from ..model.modeling_wscompress import HalfLinear, PalettizedEmbedding
+from ..model.arch import Conv1D, replace_linear, target_layers, weight_of
+from ..model.modeling_wscompress import HalfLinear, NarrowLinear
 from ..recipe.schema import TargetedStage
 from . import register
 
@@ -35,6 +35,12 @@ class HalfConfig(TargetedStage):
         target_layers(model, self)  # a pattern that matches no dense linear is refused here, before any work
 
 
+def rounding_row(name: str, w: torch.Tensor, layer: NarrowLinear) -> dict:
+    """The report's row for one dense linear ``w`` stored as ``layer``: its relative rounding error."""
+    err = (layer.dense_weight().float() - w.float()).norm() / w.float().norm().clamp_min(1e-30)
+    return {"layer": name, "shape": list(w.shape), "rel_error": err.item()}
+
+
 @register(HalfConfig)
 @torch.no_grad()
 def apply(model: nn.Module, cfg: HalfConfig, ctx) -> dict:
@@ -45,10 +51,6 @@ def apply(model: nn.Module, cfg: HalfConfig, ctx) -> dict:
             raise UsageError(f"half: {name} has weights beyond float16's range (±{HALF_MAX:.0f})",
                              "leave it out of the stage's targets")
         layer = HalfLinear.from_weight(w, getattr(module, "bias", None), conv1d=isinstance(module, Conv1D))
-        rows.append({"layer": name, "shape": list(w.shape),
-                     "rel_error": ((layer.dense_weight().float() - w.float()).norm() / w.float().norm().clamp_min(1e-30)).item()})
-        emb = tied_to_embeddings(model, module)
-        replace_everywhere(model, module, layer)
-        if emb is not None:  # a tied head: the embedding reads the same table, stored once
-            replace_everywhere(model, emb, PalettizedEmbedding.around(layer, emb))
+        rows.append(rounding_row(name, w, layer))
+        replace_linear(model, module, layer)
     return {"layers": len(rows), "weights": sum(r["shape"][0] * r["shape"][1] for r in rows), "per_layer": rows}

@@ -45,8 +45,8 @@ from ..io.offload import offload_of
 from ..maths import knapsack
 from ..maths.clustering import GramFactors, assign, cluster
 from ..maths.linalg import solve_coefficients
-from ..model.arch import Conv1D, dims_of, discover, replace_everywhere, target_layers, tied_to_embeddings, weight_of
-from ..model.modeling_wscompress import CodebookDtype, PalettizedEmbedding, PalettizedLinear, entropy, packed_nbytes
+from ..model.arch import Conv1D, dims_of, discover, replace_linear, target_layers, tied_to_embeddings, weight_of
+from ..model.modeling_wscompress import CodebookDtype, PalettizedLinear, entropy, packed_nbytes
 from ..pipeline.refit import Sums, fit_pass
 from ..pipeline.stats import SharedGrams
 from ..recipe.schema import Budget, Init, LayerRefit, TargetedStage
@@ -419,10 +419,7 @@ def apply(model: nn.Module, cfg: KMeansConfig, ctx) -> dict:
                 module = layers[name]
                 layer = palettize(module, layouts[name], grams.get(name))
                 rows.append(layer_report(name, weight_of(module), layer))
-                emb = tied_to_embeddings(model, module)
-                replace_everywhere(model, module, layer)
-                if emb is not None:  # a tied head: the embedding reads the same palettized table, stored once
-                    replace_everywhere(model, emb, PalettizedEmbedding.around(layer, emb))
+                replace_linear(model, module, layer)
     without = [n for i, names in by_layer.items() for n in names if cfg.needs_statistics and n not in grams]
     return {**summarize(rows, cfg.bits if budget is None else None), "cluster_seconds": round(time.perf_counter() - start, 2),
             "sensitivity": cfg.sensitivity, "error_feedback": cfg.error_feedback, "outliers": cfg.outliers,

@@ -17,7 +17,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D  # GPT-2 style layers store weight as (in, out)
 
 from ..errors import UsageError
-from .modeling_wscompress import CompressedLinear, weight_of  # noqa: F401  (the (out, in) weight of any linear)
+from .modeling_wscompress import CompressedLinear, PalettizedEmbedding, weight_of  # noqa: F401  (weight_of: the (out, in) weight of any linear)
 
 if TYPE_CHECKING:  # for annotations only: the recipe's types do not depend on the model's
     from ..recipe.schema import TargetedStage
@@ -105,6 +105,16 @@ def replace_everywhere(model: nn.Module, old: nn.Module, new: nn.Module) -> None
     for name, m in list(model.named_modules(remove_duplicate=False)):
         if m is old:
             set_module(model, name, new)
+
+
+def replace_linear(model: nn.Module, old: nn.Module, new: CompressedLinear) -> None:
+    """Swap the linear ``old`` for its compressed form ``new`` everywhere; where ``old`` is a head
+    tied to the input embedding, the embedding looks its rows up in ``new``, so the table stays
+    one, stored once (``PalettizedEmbedding``; ``new`` must have ``rows``)."""
+    emb = tied_to_embeddings(model, old)
+    replace_everywhere(model, old, new)
+    if emb is not None:
+        replace_everywhere(model, emb, PalettizedEmbedding.around(new, emb))
 
 
 @dataclass

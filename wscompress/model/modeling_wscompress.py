@@ -54,11 +54,12 @@ AUTO_MAP = {"AutoConfig": "modeling_wscompress.WSCompressConfig",
             "AutoModelForCausalLM": "modeling_wscompress.WSCompressForCausalLM"}
 
 # Fast paths, filled by wscompress.kernels when wscompress is imported: "palettized" (look-up-table
-# product) and "low_rank" (fused decode). Each returns None where it does not apply, and the layer
+# product), "low_rank" (fused decode), "half" and "int8" (NarrowLinear's decode products). Each returns None where it does not apply, and the layer
 # then runs its torch reference path, as it always does where nothing is registered.
 KERNELS: dict[str, Callable[..., torch.Tensor | None]] = {}
 DECODE_ROWS = 8  # inputs with at most this many rows (decoding) go to the kernels; longer ones the BLAS
-HALF_SLICE_BYTES = 8 << 20  # a HalfLinear's torch path on CPU converts this much of its weight at a time
+NARROW_SLICE_BYTES = 8 << 20  # a NarrowLinear's torch path on CPU converts this much of its weight at a time
+INT8_BLOCK = 32  # an Int8Linear's weights per scale (llama.cpp's Q8_0 block)
 
 # ----------------------------------------------------------------------------- index storage
 
@@ -825,63 +826,66 @@ class PalettizedLinear(CompressedLinear):
                 "outliers": self.outliers, "scaled": self.scaled}
 
 
-@register_layer
-class HalfLinear(CompressedLinear):
-    """A dense linear stored in float16: half the bytes of float32, at a relative rounding of at
-    most 2^-11 a weight, computed in the model's dtype. Meant for what every decoded token reads
-    whole, such as a tied embedding/head (a fifth of a small model's weights): decoding on CPU
-    multiplies the stored halves into float32 sums (``KERNELS["half"]``), elsewhere the weight
-    is converted on each call. It is held as its int16 bits (``bits16``), so ``model.to(dtype)``
-    leaves it at 16 bits; ``dtype_probe`` (empty, not saved) follows ``.to(dtype)`` instead and
-    tells the dtype the layer returns rows and dense weights in."""
+class NarrowLinear(CompressedLinear):
+    """A dense linear stored in fewer bits than float32 (``HalfLinear``, ``Int8Linear``), computed as
+    its stored values in the model's dtype. Meant for what every decoded token reads whole, such as
+    a tied embedding/head (a fifth of a small model's weights): decoding on CPU multiplies the
+    stored values into float32 sums (the form's ``KERNEL`` in ``KERNELS``); elsewhere the weight is
+    converted a slice of rows at a time. Its tensors are stored as integers (float16 ones as their
+    int16 bits), so ``model.to(dtype)`` leaves them as they are; ``dtype_probe`` (empty, not
+    saved) follows ``.to(dtype)`` instead and tells the dtype the layer returns rows and dense
+    weights in. A form gives ``from_weight``, ``stored`` and ``decode``."""
+
+    KERNEL: ClassVar[str]
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, conv1d: bool = False):
         super().__init__()
         self.in_features, self.out_features, self.conv1d = in_features, out_features, conv1d
-        self.register_buffer("bits16", torch.empty(out_features, in_features, dtype=torch.int16))
         self.register_buffer("dtype_probe", torch.empty(0), persistent=False)
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
-    @classmethod
-    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None, conv1d: bool = False) -> HalfLinear:
-        """The layer for a dense (out, in) ``weight`` (rounded to float16) and ``bias``, in their dtype and device."""
-        layer = cls(weight.shape[1], weight.shape[0], bias is not None, conv1d).to(weight.device)
-        layer.bits16 = weight.detach().to(torch.float16).contiguous().view(torch.int16)
-        layer.dtype_probe = layer.dtype_probe.to(weight.dtype)
-        if bias is not None:
-            layer.bias = nn.Parameter(bias.detach().clone())
-        return layer
+    def stored(self) -> tuple[torch.Tensor, ...]:
+        """The stored tensors, as the form's kernel takes them after the input."""
+        raise NotImplementedError
 
-    @property
-    def weight16(self) -> torch.Tensor:
-        return self.bits16.view(torch.float16)
+    def decode(self, rows: slice | torch.Tensor) -> torch.Tensor:
+        """Rows of the weight (a slice, or ids of any shape) in a dtype that holds them exactly."""
+        raise NotImplementedError
+
+    def _finish(self, weight: torch.Tensor, bias: torch.Tensor | None) -> NarrowLinear:
+        """``from_weight``'s last step: on ``weight``'s device, returning its dtype, with ``bias``."""
+        self.to(weight.device)
+        self.dtype_probe = self.dtype_probe.to(weight.dtype)
+        if bias is not None:
+            self.bias = nn.Parameter(bias.detach().clone())
+        return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fast = KERNELS.get("half")
-        y = None if fast is None else fast(x, self.weight16, self.bias)
+        fast = KERNELS.get(self.KERNEL)
+        y = None if fast is None else fast(x, *self.stored(), self.bias)
         if y is not None:
             return y
         # the torch path (prefill, training, GPUs): the weight converted for this call, on CPU a slice of
         # rows at a time that stays in the caches (a head's whole 113 MB float32 copy cost more than its product)
         bias = None if self.bias is None else self.bias.to(x.dtype)
-        step = self.out_features if x.device.type != "cpu" else max(1, HALF_SLICE_BYTES // (4 * self.in_features))
-        parts = [F.linear(x, self.weight16[r: r + step].to(x.dtype), None if bias is None else bias[r: r + step])
+        step = self.out_features if x.device.type != "cpu" else max(1, NARROW_SLICE_BYTES // (4 * self.in_features))
+        parts = [F.linear(x, self.decode(slice(r, r + step)).to(x.dtype), None if bias is None else bias[r: r + step])
                  for r in range(0, self.out_features, step)]
         return parts[0] if len(parts) == 1 else torch.cat(parts, -1)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` (any shape) of the weight (an embedding lookup in this table): (*ids.shape, in_features)."""
-        return self.weight16[ids].to(self.dtype_probe.dtype)
+        return self.decode(ids).to(self.dtype_probe.dtype)
 
     def settle(self, dtype: torch.dtype | None) -> None:
-        if dtype is not None:  # the dtype it returns rows and dense weights in (its bits stay 16)
+        if dtype is not None:  # the dtype it returns rows and dense weights in (its stored tensors stay as stored)
             self.dtype_probe = self.dtype_probe.to(dtype)
 
     def dense_weight(self) -> torch.Tensor:
-        return self.weight16.to(self.dtype_probe.dtype)
+        return self.decode(slice(None)).to(self.dtype_probe.dtype)
 
     def trainable_parameters(self) -> list[nn.Parameter]:
-        return [] if self.bias is None else [self.bias]  # the 16-bit weight stays as stored
+        return [] if self.bias is None else [self.bias]  # the weight stays as stored
 
     def spec(self) -> dict:
         return {"in_features": self.in_features, "out_features": self.out_features, "bias": self.bias is not None,
@@ -889,9 +893,82 @@ class HalfLinear(CompressedLinear):
 
 
 @register_layer
+class HalfLinear(NarrowLinear):
+    """A dense linear stored in float16 (``bits16``: its int16 bits): half the bytes of float32, at
+    a relative rounding of at most 2^-11 a weight; decoding on CPU: ``KERNELS["half"]``."""
+
+    KERNEL = "half"
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, conv1d: bool = False):
+        super().__init__(in_features, out_features, bias, conv1d)
+        self.register_buffer("bits16", torch.empty(out_features, in_features, dtype=torch.int16))
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None, conv1d: bool = False) -> HalfLinear:
+        """The layer for a dense (out, in) ``weight`` (rounded to float16) and ``bias``, in their dtype and device."""
+        layer = cls(weight.shape[1], weight.shape[0], bias is not None, conv1d)
+        layer.bits16 = weight.detach().to(torch.float16).contiguous().view(torch.int16)
+        return layer._finish(weight, bias)
+
+    @property
+    def weight16(self) -> torch.Tensor:
+        return self.bits16.view(torch.float16)
+
+    def stored(self) -> tuple[torch.Tensor, ...]:
+        return (self.weight16,)
+
+    def decode(self, rows: slice | torch.Tensor) -> torch.Tensor:
+        return self.weight16[rows]
+
+
+@register_layer
+class Int8Linear(NarrowLinear):
+    """A dense linear stored as llama.cpp's Q8_0 stores one: each run of ``INT8_BLOCK`` (32) weights
+    of a row as int8 values ``q`` times one float16 scale (``scale_bits``: its int16 bits), the
+    run's largest magnitude / 127. 8.5 bits a weight, the rounding at most 1/254 of that largest
+    magnitude; decoding on CPU: ``KERNELS["int8"]`` (float32 sums)."""
+
+    KERNEL = "int8"
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, conv1d: bool = False):
+        super().__init__(in_features, out_features, bias, conv1d)
+        self.register_buffer("q", torch.empty(out_features, in_features, dtype=torch.int8))
+        self.register_buffer("scale_bits", torch.empty(out_features, in_features // INT8_BLOCK, dtype=torch.int16))
+
+    @classmethod
+    def check_spec(cls, **spec) -> str | None:
+        if spec["in_features"] % INT8_BLOCK:
+            return f"in_features={spec['in_features']} is not a multiple of its {INT8_BLOCK}-weight blocks"
+        return super().check_spec(**spec)
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None, conv1d: bool = False) -> Int8Linear:
+        """The layer for a dense (out, in) ``weight`` (in a multiple of ``INT8_BLOCK``) and ``bias``, in their dtype and device."""
+        out, inp = weight.shape
+        blocks = weight.detach().float().reshape(out, inp // INT8_BLOCK, INT8_BLOCK)
+        scale = (blocks.abs().amax(-1) / 127).to(torch.float16)  # as stored: the values are rounded against it
+        s = scale.float()[..., None]
+        layer = cls(inp, out, bias is not None, conv1d)
+        layer.q = torch.where(s > 0, blocks / s, 0).round().clamp(-127, 127).to(torch.int8).reshape(out, inp)
+        layer.scale_bits = scale.view(torch.int16)
+        return layer._finish(weight, bias)
+
+    @property
+    def scale16(self) -> torch.Tensor:
+        return self.scale_bits.view(torch.float16)
+
+    def stored(self) -> tuple[torch.Tensor, ...]:
+        return self.q, self.scale16
+
+    def decode(self, rows: slice | torch.Tensor) -> torch.Tensor:
+        q = self.q[rows].float()  # exact in float32: 8 significant bits times 11
+        return (q.unflatten(-1, (-1, INT8_BLOCK)) * self.scale16[rows].float()[..., None]).flatten(-2)
+
+
+@register_layer
 class PalettizedEmbedding(CompressedLayer, nn.Module):
     """An embedding whose (vocab, hidden) table is a compressed linear with ``rows`` (``table``: a
-    ``PalettizedLinear`` or a ``HalfLinear``): a lookup decodes only the rows it reads. With tied
+    ``PalettizedLinear`` or a ``NarrowLinear``): a lookup decodes only the rows it reads. With tied
     embeddings the LM head *is* that table module, so the matrix is stored once and the head's
     matmul runs the table's kernel."""
 
@@ -903,7 +980,7 @@ class PalettizedEmbedding(CompressedLayer, nn.Module):
         self.register_module("table", None)  # set by ``around`` or, on loading, by ``build``
 
     @classmethod
-    def around(cls, table: PalettizedLinear | HalfLinear, embedding: nn.Embedding) -> PalettizedEmbedding:
+    def around(cls, table: PalettizedLinear | NarrowLinear, embedding: nn.Embedding) -> PalettizedEmbedding:
         new = cls(table.out_features, table.in_features, embedding.padding_idx, float(getattr(embedding, "embed_scale", 1.0)))
         new.table = table
         return new
