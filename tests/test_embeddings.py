@@ -104,7 +104,7 @@ def test_narrow_head_is_stored_once_and_computes_as_its_rounded_weights(kind, st
     model = tiny_model(kind)
     tied = model.config.tie_word_embeddings
     w = model.get_output_embeddings().weight.detach().clone()
-    before = storage.stats(model)["tensor_bytes"]
+    before, params = storage.stats(model)["tensor_bytes"], storage.stats(model)["params"]
     x = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         model.get_output_embeddings().weight.copy_(form.from_weight(w, None).dense_weight())  # the stage's rounding
@@ -116,6 +116,7 @@ def test_narrow_head_is_stored_once_and_computes_as_its_rounded_weights(kind, st
     assert isinstance(head, form) and row["layers"] == 1 and 0 < row["per_layer"][0]["rel_error"] < 0.01
     assert isinstance(emb, PalettizedEmbedding) and emb.table is head if tied else isinstance(emb, torch.nn.Embedding)
     assert storage.stats(model)["tensor_bytes"] == before - 512 * 64 * 4 + nbytes
+    assert storage.stats(model)["params"] == params  # the same weights, in fewer bits (not also the scales)
     assert "float16/int8 layers: kernel" in kernel_path(model) or kernels.lowrank() is None  # what bench reports
     with torch.no_grad():
         torch.testing.assert_close(model(x).logits, rounded, rtol=1e-5, atol=1e-5)

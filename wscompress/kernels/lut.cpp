@@ -58,10 +58,10 @@ struct Sparse {
 // j .. j+7 (AVX2) into a register, `at(j)` one weight. Index q names the D-vector of weights
 // q*D .. q*D+D-1, entry D*index+c of the row's table. Tables small enough for registers are
 // read by permutes (16 floats: D 1 with nibbles; 32: D 2 with nibbles, AVX-512 only), larger
-// ones (in L1: at most 256 x 4 floats) by one load a vector (64 or 128 bits; AVX2 pairs: one
-// 4-element 64-bit gather): on the AMD core measured (docs/runtime.md) AVX-512 gathers, whose
-// cost grows with their elements, were slower than the dense product. On Intel cores
-// (WSCOMPRESS_GATHER_PAIRS, set by the loader) AVX-512 pairs are one 8-element gather.
+// ones (in L1: at most 256 x 4 floats) by one load a vector (64 or 128 bits): on the AMD core
+// measured (docs/runtime.md) AVX-512 gathers, whose cost grows with their elements, were slower
+// than the dense product. On Intel cores (WSCOMPRESS_GATHER_PAIRS, set by the loader) pairs are
+// one gather (8 of them on AVX-512, 4 on AVX2, where loads and the gather timed alike).
 template <int W, int D>
 struct Row {
   const uint8_t* idx;
@@ -161,8 +161,16 @@ struct Row {
         return _mm256_i32gather_ps(table, id, 4);
       }
     } else if constexpr (D == 2) {  // 4 indices, a pair of floats each
+#ifdef WSCOMPRESS_GATHER_PAIRS  // one gather of 4 pairs (Intel)
       return _mm256_castsi256_ps(_mm256_i32gather_epi64(reinterpret_cast<const long long*>(table),
                                                         _mm_cvtepu8_epi32(bytes), 8));
+#else  // 4 loads of 64 bits, as AVX-512 does where gathers are slow (AMD)
+      const uint32_t q = static_cast<uint32_t>(_mm_cvtsi128_si32(bytes));
+      const double* t = reinterpret_cast<const double*>(table);
+      const __m128d lo = _mm_loadh_pd(_mm_load_sd(t + (q & 255)), t + ((q >> 8) & 255));
+      const __m128d hi = _mm_loadh_pd(_mm_load_sd(t + ((q >> 16) & 255)), t + (q >> 24));
+      return _mm256_castpd_ps(_mm256_set_m128d(hi, lo));
+#endif
     } else {  // 2 indices, 4 floats each
       const uint32_t q = static_cast<uint32_t>(_mm_cvtsi128_si32(bytes));
       return _mm256_set_m128(_mm_loadu_ps(table + 4 * ((q >> 8) & 255)), _mm_loadu_ps(table + 4 * (q & 255)));

@@ -960,6 +960,9 @@ class Int8Linear(NarrowLinear):
     def stored(self) -> tuple[torch.Tensor, ...]:
         return self.q, self.scale16
 
+    def parameter_count(self) -> int:  # its weights, not also their scales
+        return self.out_features * self.in_features + (self.out_features if self.bias is not None else 0)
+
     def decode(self, rows: slice | torch.Tensor) -> torch.Tensor:
         q = self.q[rows].float()  # exact in float32: 8 significant bits times 11
         return (q.unflatten(-1, (-1, INT8_BLOCK)) * self.scale16[rows].float()[..., None]).flatten(-2)
