@@ -47,7 +47,7 @@ LAYOUTS = {  # label -> (index width, weights an index, table entries); tables p
 }
 SHAPES = [(576, 576), (1536, 576), (576, 1536), (4096, 4096)]  # (out, in)
 HEADS = [(49152, 576), (49152, 2048), (1536, 576)]  # the narrow heads' products: SmolLM2's, TinyLlama's, a smaller one
-NONE = (torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int32), torch.empty(0))
+NONE = (torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.uint16), torch.empty(0))
 
 
 def best_us(f, calls: int) -> float:

@@ -46,6 +46,17 @@ def layer(bits: int, group_size: int, out: int = 48, inp: int = 72, outliers: in
                                           outliers=kept, scale=scale)
 
 
+def test_outliers_past_16_bit_columns_take_the_torch_path():
+    """The kernels hold outliers' columns in 16 bits (beside the stored outliers, in as few bytes
+    as they take); a layer with more inputs than that computes by the torch path instead."""
+    lin = layer(4, 2, out=2, inp=(1 << 16) + 64, outliers=3)
+    x = torch.randn(1, lin.in_features)
+    assert lin.kernel_layout() is None
+    with torch.no_grad():
+        torch.testing.assert_close(lin(x), F.linear(x, lin.dense_weight(), lin.bias), rtol=1e-4, atol=1e-3)
+    assert layer(4, 2, out=2, inp=1 << 16, outliers=3).kernel_layout().outliers.col.dtype == torch.uint16
+
+
 @pytest.mark.skipif(kernels.lut() is None, reason="kernels not built here")
 @pytest.mark.parametrize("bits, group_size, outliers", [(4, 1, 0), (4, 16, 5), (4, 48, 0), (3, 1, 7), (2, 8, 0),
                                                         (1, 1, 0), (5, 1, 3), (8, 4, 0), (6, 48, 0)])
@@ -102,7 +113,7 @@ def test_the_6_bit_operators_equal_the_byte_ones(rows, inp):
     idx = torch.randint(0, 64, (48, inp // 2), generator=gen)
     tables = torch.randn(6, 64, 2, generator=gen)
     six, byte = pack(idx, 6), idx.to(torch.uint8).flatten()
-    none = torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int32), torch.empty(0)
+    none = torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.uint16), torch.empty(0)
     x = torch.randn(rows, inp, generator=gen)
     ops = torch.ops.wscompress
     for width, indices in ((6, six), (8, byte)):

@@ -274,7 +274,7 @@ def status() -> str:
     return ", ".join(dict.fromkeys(paths))
 
 
-_NO_OUTLIERS = SparseRows(*(torch.empty(0, dtype=t) for t in (torch.int64, torch.int32, torch.float32)))
+_NO_OUTLIERS = SparseRows(*(torch.empty(0, dtype=t) for t in (torch.int64, torch.uint16, torch.float32)))
 
 
 def palettized_linear(x: torch.Tensor, indices: torch.Tensor, width: int, tables: torch.Tensor, group_size: int,

@@ -50,7 +50,7 @@ inline uint64_t spread6(uint64_t v) {
 // The outliers' corrections, CSR by weight row; row_ptr null: none.
 struct Sparse {
   const int32_t* row_ptr;
-  const int32_t* col;
+  const uint16_t* col;
   const float* delta;
 };
 
@@ -831,10 +831,10 @@ Sparse sparse(const torch::Tensor& row_ptr, const torch::Tensor& col, const torc
   if (row_ptr.numel() == 0) return {nullptr, nullptr, nullptr};
   TORCH_CHECK(row_ptr.scalar_type() == torch::kInt && row_ptr.is_contiguous() && row_ptr.numel() == out + 1,
               "row_ptr: contiguous int32 (out + 1)");
-  TORCH_CHECK(col.scalar_type() == torch::kInt && col.is_contiguous(), "col: contiguous int32");
+  TORCH_CHECK(col.scalar_type() == torch::kUInt16 && col.is_contiguous(), "col: contiguous uint16");
   TORCH_CHECK(delta.scalar_type() == torch::kFloat && delta.is_contiguous() && delta.numel() == col.numel(),
               "delta: contiguous float32, one per col");
-  return {row_ptr.data_ptr<int32_t>(), col.data_ptr<int32_t>(), delta.data_ptr<float>()};
+  return {row_ptr.data_ptr<int32_t>(), col.data_ptr<uint16_t>(), delta.data_ptr<float>()};
 }
 
 }  // namespace
@@ -860,7 +860,7 @@ int64_t vector_length(const torch::Tensor& tables, int64_t width, int64_t group_
 
 // x (batch, in) float32; idx (out * in / D * width / 8) uint8; tables (groups, k) or
 // (groups, k, D) float32, k = 16 for width 4 (padded), 2^bits for width 8; row_ptr (out + 1)
-// int32, col int32, delta float32: the outliers' corrections (row_ptr empty: none).
+// int32, col uint16, delta float32: the outliers' corrections (row_ptr empty: none).
 // Returns x @ W^T (batch, out).
 torch::Tensor lut_linear(torch::Tensor x, torch::Tensor idx, torch::Tensor tables, int64_t width, int64_t group_size,
                          int64_t out, torch::Tensor row_ptr, torch::Tensor col, torch::Tensor delta) {

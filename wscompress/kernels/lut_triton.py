@@ -147,7 +147,7 @@ def _lut_gemv(x_ptr, idx_ptr, tab_ptr, y_ptr, row_ptr, out_col, out_delta, scale
             for e0 in range(start, end, 64):
                 e = e0 + tl.arange(0, 64)
                 e_ok = e < end
-                col = tl.load(out_col + e, mask=e_ok, other=0)
+                col = tl.load(out_col + e, mask=e_ok, other=0).to(tl.int64)
                 part = tl.load(out_delta + e, mask=e_ok, other=0.0) * tl.load(x_row + col, mask=e_ok, other=0.0).to(tl.float32)
                 mine = (e[None, :] >= first[:, None]) & (e[None, :] < last[:, None])
                 acc += tl.sum(tl.where(mine, part[None, :], 0.0), axis=1)
@@ -202,7 +202,7 @@ def lut_linear(x: torch.Tensor, indices: torch.Tensor, width: int, tables: torch
     """x (rows, in) @ Wᵀ for the palettized W that ``indices`` (``width`` 4 or 8, as
     ``kernels.palettized_linear`` takes them) and ``tables`` (groups, K) or, at width 8, vectors
     (groups, K, d) describe, plus the ``outliers``' corrections (CSR by row: row_ptr int32, col
-    int32, delta float32), times the row ``scale`` where given, in x's dtype.
+    uint16, delta float32), times the row ``scale`` where given, in x's dtype.
     The first call at a shape times the candidate launches; call it once before capturing a CUDA graph."""
     launch = _pick(x, indices, width, tables, group_size, out_features, outliers, scale)
     return _run(launch, x, indices, width, tables, group_size, out_features, outliers, scale)

@@ -199,7 +199,7 @@ class SparseRows(NamedTuple):
     ``delta`` (the exact weight minus its codebook value). By rows, the CPU kernel adds a row's
     few while its sums are in registers."""
     row_ptr: torch.Tensor  # (out + 1,) int32: a layer's outliers are counted in int32 as their positions are
-    col: torch.Tensor  # int32
+    col: torch.Tensor  # uint16: held beside the stored outliers, so in as few bytes as a column takes
     delta: torch.Tensor  # float32
 
     @classmethod
@@ -209,7 +209,7 @@ class SparseRows(NamedTuple):
         pos = pos[order]
         counts = torch.bincount(pos // shape[1], minlength=shape[0])
         row_ptr = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(torch.int32)
-        return cls(row_ptr, (pos % shape[1]).to(torch.int32), delta[order].float().contiguous())
+        return cls(row_ptr, (pos % shape[1]).to(torch.uint16), delta[order].float().contiguous())
 
 
 # devices whose kernels read pairs' 6-bit indices (the 3-bit recipe) as stored, so that they are
@@ -756,9 +756,9 @@ class PalettizedLinear(CompressedLinear):
         for nibbles (once, not per call: on a GPU each call's pad was one more kernel launch); for
         scalar tables and byte-indexed pairs on rows of a multiple of 32 weights, the tables rounded
         for the 8-bit kernels too (``round_tables``). None where a row's indices do not fill whole
-        bytes or the vectors are longer."""
+        bytes or the vectors are longer, or outliers' columns do not fit 16 bits."""
         d, cols = self.cluster_dim, self.in_features // self.cluster_dim
-        if d not in (1, 2, 4) or cols % 2:
+        if d not in (1, 2, 4) or cols % 2 or self.outliers and self.in_features > 1 << 16:
             return None
         if torch.compiler.is_compiling():  # a compiled graph reads the layout an eager call prepared (fixed values)
             return getattr(self, "_layout", None)
