@@ -150,3 +150,10 @@ def test_bench_recovery(tmp_path):
     assert [r["recovery"] for r in rows] == ["-", "none (one-shot)", "lm", "kd", "layerwise+kd"]
     assert all(r["steps"] >= 1 and r["curve"] and r["wiki.test"] > 0 for r in rows[2:])
     assert len(table((tmp_path / "results.md").read_text(), "method", "recovery")) == 5
+
+
+def test_resident_bytes_record():
+    """The record behind docs/runtime.md's resident goal, at toy size: a row a shipped layout."""
+    rows = table(run_script("experiments/resident_bytes.py", "--tiny"), "layout", "resident x stored")
+    assert len(rows) == 4 and all(float(r["resident x stored"]) >= 1 for r in rows)
+

@@ -35,22 +35,23 @@ class HalfConfig(TargetedStage):
         target_layers(model, self)  # a pattern that matches no dense linear is refused here, before any work
 
 
-def rounding_row(name: str, w: torch.Tensor, layer: NarrowLinear) -> dict:
-    """The report's row for one dense linear ``w`` stored as ``layer``: its relative rounding error."""
-    err = (layer.dense_weight().float() - w.float()).norm() / w.float().norm().clamp_min(1e-30)
-    return {"layer": name, "shape": list(w.shape), "rel_error": err.item()}
+def store(model: nn.Module, cfg: TargetedStage, form: type[NarrowLinear], limit: float, beyond: str) -> dict:
+    """Replace each dense linear ``cfg`` targets by ``form`` (a tied head's embedding reading the
+    same table), refusing weights past ``limit`` (``beyond`` names that range); the report gives
+    each layer's relative rounding error."""
+    rows = []
+    for name, module in target_layers(model, cfg).items():
+        w = weight_of(module)
+        if w.abs().max() > limit:
+            raise UsageError(f"{cfg.method}: {name} has weights beyond {beyond}", "leave it out of the stage's targets")
+        layer = form.from_weight(w, getattr(module, "bias", None), conv1d=isinstance(module, Conv1D))
+        err = (layer.dense_weight().float() - w.float()).norm() / w.float().norm().clamp_min(1e-30)
+        rows.append({"layer": name, "shape": list(w.shape), "rel_error": err.item()})
+        replace_linear(model, module, layer)
+    return {"layers": len(rows), "weights": sum(r["shape"][0] * r["shape"][1] for r in rows), "per_layer": rows}
 
 
 @register(HalfConfig)
 @torch.no_grad()
 def apply(model: nn.Module, cfg: HalfConfig, ctx) -> dict:
-    rows = []
-    for name, module in target_layers(model, cfg).items():
-        w = weight_of(module)
-        if w.abs().max() > HALF_MAX:
-            raise UsageError(f"half: {name} has weights beyond float16's range (±{HALF_MAX:.0f})",
-                             "leave it out of the stage's targets")
-        layer = HalfLinear.from_weight(w, getattr(module, "bias", None), conv1d=isinstance(module, Conv1D))
-        rows.append(rounding_row(name, w, layer))
-        replace_linear(model, module, layer)
-    return {"layers": len(rows), "weights": sum(r["shape"][0] * r["shape"][1] for r in rows), "per_layer": rows}
+    return store(model, cfg, HalfLinear, HALF_MAX, f"float16's range (±{HALF_MAX:.0f})")

@@ -5,7 +5,7 @@ palettized, most of the bytes every decoded token reads (a 4-bit 1.1B model's fl
 201 MB of its 684). Each run of 32 weights of a row keeps int8 values times one float16 scale
 (the run's largest magnitude / 127), so every weight is within 1/254 of its run's largest one:
 a finer grid than one 256-entry codebook shared by many rows, whose tails are coarse
-(docs/runtime.md). A tied head stays one table, as with ``half``.
+(docs/clustering.md). A tied head stays one table, as with ``half``.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from pydantic import Field
 from torch import nn
 
 from ..errors import UsageError
-from ..model.arch import Conv1D, dims_of, replace_linear, target_layers, weight_of
+from ..model.arch import dims_of, target_layers
 from ..model.modeling_wscompress import INT8_BLOCK, Int8Linear
 from ..recipe.schema import TargetedStage
 from . import register
-from .half import HALF_MAX, rounding_row
+from .half import HALF_MAX, store
 
 
 class Int8Config(TargetedStage):
@@ -40,12 +40,4 @@ class Int8Config(TargetedStage):
 @register(Int8Config)
 @torch.no_grad()
 def apply(model: nn.Module, cfg: Int8Config, ctx) -> dict:
-    rows = []
-    for name, module in target_layers(model, cfg).items():
-        w = weight_of(module)
-        if w.abs().max() > 127 * HALF_MAX:
-            raise UsageError(f"int8: {name} has weights beyond its float16 scales' range", "leave it out of the stage's targets")
-        layer = Int8Linear.from_weight(w, getattr(module, "bias", None), conv1d=isinstance(module, Conv1D))
-        rows.append(rounding_row(name, w, layer))
-        replace_linear(model, module, layer)
-    return {"layers": len(rows), "weights": sum(r["shape"][0] * r["shape"][1] for r in rows), "per_layer": rows}
+    return store(model, cfg, Int8Linear, 127 * HALF_MAX, "its float16 scales' range")
