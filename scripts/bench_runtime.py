@@ -50,6 +50,7 @@ PLAIN = {"method": "kmeans", "sensitivity": "none", "error_feedback": False, "re
 VQ = {**PLAIN, "iterations": 5, "n_init": 1}
 VQ3 = {**VQ, "bits": 6, "cluster_dim": 2, "granularity": "grouped", "group_size": 64}  # 3 bits, 2-d per 64 channels
 VQ2 = {**VQ, "bits": 8, "cluster_dim": 4, "granularity": "per_tensor"}  # 2 bits, 4-d per matrix
+SHIPPED = {"codebook_dtype": "float16"}  # the shipped recipes store codebooks, scales and outliers so
 MODELS = {  # label -> compress stages (empty: the dense model)
     "dense": [],
     "kmeans 4-bit per channel": [{**PLAIN, "bits": 4}],
@@ -65,15 +66,15 @@ MODELS = {  # label -> compress stages (empty: the dense model)
     # each without its row scales
     "kmeans 3-bit, 2-d vectors per 64 channels + 0.4 % outliers": [{**VQ3, "outliers": 0.004}],
     "kmeans 3-bit, 2-d vectors per 64 channels + row scales + 0.35 % outliers":  # configs/kmeans_3bit.yaml's layout
-        [{**VQ3, "row_scale": True, "outliers": 0.0035}],
+        [{**VQ3, **SHIPPED, "row_scale": True, "outliers": 0.0035}],
     "kmeans 2-bit, 4-d vectors per matrix + 0.5 % outliers": [{**VQ2, "outliers": 0.005}],
     "kmeans 2-bit, 4-d vectors per matrix + row scales + 0.5 % outliers":  # configs/kmeans_2bit.yaml's layout
-        [{**VQ2, "row_scale": True, "outliers": 0.005}],
+        [{**VQ2, **SHIPPED, "row_scale": True, "outliers": 0.005}],
     "kmeans 4-bit, 2-d vectors per 64 channels + 0.1 % outliers": [{**VQ3, "bits": 8, "outliers": 0.001}],
     "kmeans 4-bit, 2-d vectors per 64 channels + row scales + 0.07 % outliers":  # configs/kmeans_4bit.yaml's layout
-        [{**VQ3, "bits": 8, "row_scale": True, "outliers": 0.0007}],
+        [{**VQ3, **SHIPPED, "bits": 8, "row_scale": True, "outliers": 0.0007}],
     "kmeans 4-bit per channel + row scales + 0.07 % outliers":  # configs/kmeans_4bit_fast.yaml's layout
-        [{**PLAIN, "bits": 4, "row_scale": True, "outliers": 0.0007}],
+        [{**PLAIN, **SHIPPED, "bits": 4, "row_scale": True, "outliers": 0.0007}],
     "svd 20 %": [{"method": "svd", "whitening": False, "ratio": 0.2}],
     "svd 40 %": [{"method": "svd", "whitening": False, "ratio": 0.4}],
 }

@@ -33,7 +33,7 @@ def test_kernels_build_where_a_compiler_exists():
 
 
 def layer(bits: int, group_size: int, out: int = 48, inp: int = 72, outliers: int = 0, seed: int = 0,
-          d: int = 1, scaled: bool = False) -> PalettizedLinear:
+          d: int = 1, scaled: bool = False, codebook_dtype: str = "float32") -> PalettizedLinear:
     gen = torch.Generator().manual_seed(seed)
     w = torch.randn(out, inp, generator=gen)
     codebook, idx = cluster(w.reshape(out // group_size, -1, d), bits)
@@ -43,18 +43,33 @@ def layer(bits: int, group_size: int, out: int = 48, inp: int = 72, outliers: in
         kept = (pos, w.flatten()[pos])
     scale = torch.rand(out, generator=gen) + 0.5 if scaled else None
     return PalettizedLinear.from_clusters(codebook, idx.reshape(out, inp // d), torch.randn(out, generator=gen),
-                                          outliers=kept, scale=scale)
+                                          codebook_dtype=codebook_dtype, outliers=kept, scale=scale)
 
 
-def test_outliers_past_16_bit_columns_take_the_torch_path():
-    """The kernels hold outliers' columns in 16 bits (beside the stored outliers, in as few bytes
-    as they take); a layer with more inputs than that computes by the torch path instead."""
-    lin = layer(4, 2, out=2, inp=(1 << 16) + 64, outliers=3)
+@pytest.mark.skipif(kernels.lut() is None, reason="kernels not built here")
+def test_outliers_are_read_at_their_stored_positions():
+    """The kernels read the kept-aside weights' stored flat positions themselves (no column copy,
+    so no 16-bit limit on a row's width) and their corrections in float16 where the layer stores
+    its values so; a folder written with the positions unsorted is sorted in place once, the
+    layer computing the same."""
+    lin = layer(4, 2, out=2, inp=(1 << 16) + 64, outliers=3, codebook_dtype="float16")
     x = torch.randn(1, lin.in_features)
-    assert lin.kernel_layout() is None
+    x[0, lin.outlier_index.long() % lin.in_features] = 100.0  # the outliers' corrections weigh in the sums
+    layout = lin.kernel_layout()
+    assert layout.outliers.pos.data_ptr() == lin.outlier_index.data_ptr() and layout.outliers.delta.dtype == torch.float16
     with torch.no_grad():
-        torch.testing.assert_close(lin(x), F.linear(x, lin.dense_weight(), lin.bias), rtol=1e-4, atol=1e-3)
-    assert layer(4, 2, out=2, inp=1 << 16, outliers=3).kernel_layout().outliers.col.dtype == torch.uint16
+        ref = q8_reference(lin, x) if kernels.q8(layout.width) else F.linear(x, lin.dense_weight(), lin.bias)
+        terms = x.abs() @ lin.dense_weight().abs().T
+        assert ((lin(x) - ref).abs() <= 1e-4 * terms).all()
+    shuffled = layer(4, 2, out=8, inp=64, outliers=12)
+    expected = shuffled.dense_weight()
+    order = torch.randperm(12)
+    with torch.no_grad():
+        shuffled.outlier_index.copy_(shuffled.outlier_index[order])
+        shuffled.outlier_value.copy_(shuffled.outlier_value[order])
+    assert shuffled.kernel_layout().outliers.pos.data_ptr() == shuffled.outlier_index.data_ptr()
+    assert bool((shuffled.outlier_index.diff() > 0).all())
+    torch.testing.assert_close(shuffled.dense_weight(), expected, rtol=0, atol=0)
 
 
 @pytest.mark.skipif(kernels.lut() is None, reason="kernels not built here")
@@ -193,9 +208,9 @@ def outlier_products(lin: PalettizedLinear, x: torch.Tensor) -> torch.Tensor:
     layout = lin.kernel_layout()
     if layout.outliers is None:
         return torch.zeros(x.shape[0], lin.out_features, dtype=x.dtype)
-    row_ptr, col, delta = layout.outliers
+    row_ptr, pos, delta = layout.outliers
     rows = torch.repeat_interleave(torch.arange(lin.out_features), row_ptr.diff())
-    return x[:, col.long()] * delta.to(x.dtype) @ F.one_hot(rows, lin.out_features).to(x.dtype)
+    return x[:, pos.long() % lin.in_features] * delta.to(x.dtype) @ F.one_hot(rows, lin.out_features).to(x.dtype)
 
 
 def q8_reference(lin: PalettizedLinear, x: torch.Tensor) -> torch.Tensor:

@@ -112,13 +112,13 @@ def _shape_rules(source: str) -> None:
     """What each operator returns, by shape alone (torch.compile traces with these)."""
     if source == "lut":
         torch.library.register_fake("wscompress::lut_linear")(
-            lambda x, idx, tables, width, group_size, out, row_ptr, col, delta: x.new_empty(x.shape[0], out))
+            lambda x, idx, tables, width, group_size, out, row_ptr, pos, delta: x.new_empty(x.shape[0], out))
         torch.library.register_fake("wscompress::lut_linear_q8")(
-            lambda x, idx, tables, scales, width, group_size, out, row_ptr, col, delta: x.new_empty(x.shape[0], out))
+            lambda x, idx, tables, scales, width, group_size, out, row_ptr, pos, delta: x.new_empty(x.shape[0], out))
         torch.library.register_fake("wscompress::lut_dense")(
-            lambda idx, tables, width, group_size, out, in_features, row_ptr, col, delta: tables.new_empty(out, in_features))
+            lambda idx, tables, width, group_size, out, in_features, row_ptr, pos, delta: tables.new_empty(out, in_features))
         torch.library.register_fake("wscompress::lut_linear_i8")(
-            lambda x, idx, tables, scales, width, group_size, out, row_ptr, col, delta: x.new_empty(x.shape[0], out))
+            lambda x, idx, tables, scales, width, group_size, out, row_ptr, pos, delta: x.new_empty(x.shape[0], out))
         torch.library.register_fake("wscompress::lut_dense_q8")(
             lambda idx, tables, scales, width, group_size, out, in_features: tables.new_empty(2 * out, in_features))
     else:
@@ -274,7 +274,7 @@ def status() -> str:
     return ", ".join(dict.fromkeys(paths))
 
 
-_NO_OUTLIERS = SparseRows(*(torch.empty(0, dtype=t) for t in (torch.int64, torch.uint16, torch.float32)))
+_NO_OUTLIERS = SparseRows(*(torch.empty(0, dtype=t) for t in (torch.int64, torch.int32, torch.float16)))
 
 
 def palettized_linear(x: torch.Tensor, indices: torch.Tensor, width: int, tables: torch.Tensor, group_size: int,

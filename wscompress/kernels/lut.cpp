@@ -9,7 +9,7 @@
 // decodes the dense weight with lut_dense, one layer at a time, and uses the BLAS.
 //
 // Weights kept aside from the codebook (outliers) come as a sparse correction in CSR form
-// (row_ptr, col, delta: the exact weight minus its codebook value). Each row adds its own few
+// (row_ptr, pos, delta: the exact weight minus its codebook value). Each row adds its own few
 // while its sums are still in registers, so decoding pays for them in the same pass instead of
 // in a separate gather-and-scatter over the output (which cost more than the kernel saved).
 #include <torch/extension.h>
@@ -47,11 +47,19 @@ inline uint64_t spread6(uint64_t v) {
 #endif
 }
 
-// The outliers' corrections, CSR by weight row; row_ptr null: none.
+// The outliers' corrections, CSR by weight row; row_ptr null: none. Their positions are flat in
+// the (out, in) weight: the stored ones, read as they are (a column more a row costs bytes).
+// The corrections are float16 where the layer stores its values so, else float32.
 struct Sparse {
   const int32_t* row_ptr;
-  const uint16_t* col;
-  const float* delta;
+  const int32_t* pos;
+  const void* delta;
+  bool half;
+  int64_t in;
+  int64_t col(int64_t p, int64_t r) const { return pos[p] - r * in; }
+  float d(int64_t p) const {
+    return half ? static_cast<float>(static_cast<const at::Half*>(delta)[p]) : static_cast<const float*>(delta)[p];
+  }
 };
 
 // One weight row's indices and its codebook: `block(j)` decodes weights j .. j+15 (AVX-512) or
@@ -249,7 +257,7 @@ void gemv_rows(const float* x, const uint8_t* idx, const float* tables, int64_t 
     if (sp.row_ptr)
       for (int i = 0; i < R; ++i)
         for (int64_t p = sp.row_ptr[r + i]; p < sp.row_ptr[r + i + 1]; ++p)
-          for (int m = 0; m < M; ++m) sums[i][m] += sp.delta[p] * x[m * in + sp.col[p]];
+          for (int m = 0; m < M; ++m) sums[i][m] += sp.d(p) * x[m * in + sp.col(p, r + i)];
     for (int i = 0; i < R; ++i)
       for (int m = 0; m < M; ++m) y[m * out + r + i] = sums[i][m];
   }
@@ -273,7 +281,7 @@ void decode_rows(const uint8_t* idx, const float* tables, int64_t k, int64_t gro
 #endif
     for (; j < in; ++j) out[j] = row.at(j);
     if (sp.row_ptr)
-      for (int64_t p = sp.row_ptr[r]; p < sp.row_ptr[r + 1]; ++p) out[sp.col[p]] += sp.delta[p];
+      for (int64_t p = sp.row_ptr[r]; p < sp.row_ptr[r + 1]; ++p) out[sp.col(p, r)] += sp.d(p);
   }
 }
 
@@ -426,7 +434,7 @@ struct Q8X {
 // y[r] = sum plus row r's outlier corrections (on the float input row x)
 inline void q8_store(float sum, Sparse sp, const float* x, float* y, int64_t r) {
   if (sp.row_ptr)
-    for (int64_t p = sp.row_ptr[r]; p < sp.row_ptr[r + 1]; ++p) sum += sp.delta[p] * x[sp.col[p]];
+    for (int64_t p = sp.row_ptr[r]; p < sp.row_ptr[r + 1]; ++p) sum += sp.d(p) * x[sp.col(p, r)];
   y[r] = sum;
 }
 
@@ -827,14 +835,17 @@ struct Dense {
   }
 };
 
-Sparse sparse(const torch::Tensor& row_ptr, const torch::Tensor& col, const torch::Tensor& delta, int64_t out) {
-  if (row_ptr.numel() == 0) return {nullptr, nullptr, nullptr};
+Sparse sparse(const torch::Tensor& row_ptr, const torch::Tensor& pos, const torch::Tensor& delta, int64_t out,
+              int64_t in) {
+  if (row_ptr.numel() == 0) return {nullptr, nullptr, nullptr, false, in};
   TORCH_CHECK(row_ptr.scalar_type() == torch::kInt && row_ptr.is_contiguous() && row_ptr.numel() == out + 1,
               "row_ptr: contiguous int32 (out + 1)");
-  TORCH_CHECK(col.scalar_type() == torch::kUInt16 && col.is_contiguous(), "col: contiguous uint16");
-  TORCH_CHECK(delta.scalar_type() == torch::kFloat && delta.is_contiguous() && delta.numel() == col.numel(),
-              "delta: contiguous float32, one per col");
-  return {row_ptr.data_ptr<int32_t>(), col.data_ptr<uint16_t>(), delta.data_ptr<float>()};
+  TORCH_CHECK(pos.scalar_type() == torch::kInt && pos.is_contiguous() && pos.numel() == row_ptr.data_ptr<int32_t>()[out],
+              "pos: contiguous int32, one per outlier");
+  const bool half = delta.scalar_type() == torch::kHalf;
+  TORCH_CHECK((half || delta.scalar_type() == torch::kFloat) && delta.is_contiguous() && delta.numel() == pos.numel(),
+              "delta: contiguous float16 or float32, one per pos");
+  return {row_ptr.data_ptr<int32_t>(), pos.data_ptr<int32_t>(), delta.data_ptr(), half, in};
 }
 
 }  // namespace
@@ -860,14 +871,14 @@ int64_t vector_length(const torch::Tensor& tables, int64_t width, int64_t group_
 
 // x (batch, in) float32; idx (out * in / D * width / 8) uint8; tables (groups, k) or
 // (groups, k, D) float32, k = 16 for width 4 (padded), 2^bits for width 8; row_ptr (out + 1)
-// int32, col uint16, delta float32: the outliers' corrections (row_ptr empty: none).
+// int32, pos int32 (flat, ascending), delta float16 or float32: the outliers' corrections (row_ptr empty: none).
 // Returns x @ W^T (batch, out).
 torch::Tensor lut_linear(torch::Tensor x, torch::Tensor idx, torch::Tensor tables, int64_t width, int64_t group_size,
-                         int64_t out, torch::Tensor row_ptr, torch::Tensor col, torch::Tensor delta) {
+                         int64_t out, torch::Tensor row_ptr, torch::Tensor pos, torch::Tensor delta) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x: contiguous float32 (batch, in)");
   TORCH_CHECK(tables.scalar_type() == torch::kFloat, "tables: float32");
   const int64_t d = vector_length(tables, width, group_size, out, x.size(1), idx);
-  return dispatch<Linear>(width, d, x, idx, tables, group_size, out, sparse(row_ptr, col, delta, out));
+  return dispatch<Linear>(width, d, x, idx, tables, group_size, out, sparse(row_ptr, pos, delta, out, x.size(1)));
 }
 
 // Whether this build multiplies 8-bit activations for tables of this index width (lut_linear_q8).
@@ -909,14 +920,14 @@ int64_t q8_vector_length(const torch::Tensor& idx, const torch::Tensor& tables, 
 // lut_linear on 8-bit activations, tables and scales from round_tables (see q8_vector_length);
 // rows of a multiple of 32 weights (see lut_q8).
 torch::Tensor lut_linear_q8(torch::Tensor x, torch::Tensor idx, torch::Tensor tables, torch::Tensor scales,
-                            int64_t width, int64_t group_size, int64_t out, torch::Tensor row_ptr, torch::Tensor col,
+                            int64_t width, int64_t group_size, int64_t out, torch::Tensor row_ptr, torch::Tensor pos,
                             torch::Tensor delta) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x: contiguous float32 (batch, in)");
   const int64_t in = x.size(1);
   TORCH_CHECK(lut_q8(width), "this build has no 8-bit path for width ", width, " (see lut_q8)");
   TORCH_CHECK(in % QBLOCK == 0, "rows of a multiple of 32 weights");
   const int64_t d = q8_vector_length(idx, tables, scales, width, group_size, out, in);
-  const Sparse sp = sparse(row_ptr, col, delta, out);
+  const Sparse sp = sparse(row_ptr, pos, delta, out, in);
 #ifdef WSCOMPRESS_Q8
   if (width == 6) return run_q8<6, 2>(x, idx, tables, scales, group_size, out, sp);
 #endif
@@ -965,12 +976,12 @@ torch::Tensor lut_dense_q8(torch::Tensor idx, torch::Tensor tables, torch::Tenso
 // scales and the outliers' float corrections in one pass: the element-wise passes torch would
 // make over the products cost a fifth of the layer at 1.1B.
 torch::Tensor lut_linear_i8(torch::Tensor x, torch::Tensor idx, torch::Tensor tables, torch::Tensor scales,
-                            int64_t width, int64_t group_size, int64_t out, torch::Tensor row_ptr, torch::Tensor col,
+                            int64_t width, int64_t group_size, int64_t out, torch::Tensor row_ptr, torch::Tensor pos,
                             torch::Tensor delta) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x: contiguous float32 (batch, in)");
   const int64_t rows = x.size(0), in = x.size(1);
   const int64_t d = q8_vector_length(idx, tables, scales, width, group_size, out, in);
-  const Sparse sp = sparse(row_ptr, col, delta, out);
+  const Sparse sp = sparse(row_ptr, pos, delta, out, in);
   const torch::Tensor planes = dense_q8(idx, tables, width, group_size, out, in, d);
   auto a = torch::empty({rows, in}, tables.options()), b = torch::empty({rows, in}, tables.options());
   std::vector<float> s(rows), a_sum(rows);
@@ -1008,7 +1019,7 @@ torch::Tensor lut_linear_i8(torch::Tensor x, torch::Tensor idx, torch::Tensor ta
       for (int64_t r = r0; r < r1; ++r) {
         float* c = by_row + r * rows;
         for (int64_t k = sp.row_ptr[r]; k < sp.row_ptr[r + 1]; ++k) {
-          const float d = sp.delta[k], *column = xtp + sp.col[k] * rows;
+          const float d = sp.d(k), *column = xtp + sp.col(k, r) * rows;
           if (k == sp.row_ptr[r])
             for (int64_t m = 0; m < rows; ++m) c[m] = d * column[m];
           else
@@ -1043,10 +1054,10 @@ torch::Tensor lut_linear_i8(torch::Tensor x, torch::Tensor idx, torch::Tensor ta
 
 // The dense (out, in) weight, outliers included (prefill decodes it and hands it to the BLAS).
 torch::Tensor lut_dense(torch::Tensor idx, torch::Tensor tables, int64_t width, int64_t group_size, int64_t out,
-                        int64_t in, torch::Tensor row_ptr, torch::Tensor col, torch::Tensor delta) {
+                        int64_t in, torch::Tensor row_ptr, torch::Tensor pos, torch::Tensor delta) {
   TORCH_CHECK(tables.scalar_type() == torch::kFloat, "tables: float32");
   const int64_t d = vector_length(tables, width, group_size, out, in, idx);
-  return dispatch<Dense>(width, d, idx, tables, group_size, out, in, sparse(row_ptr, col, delta, out));
+  return dispatch<Dense>(width, d, idx, tables, group_size, out, in, sparse(row_ptr, pos, delta, out, in));
 }
 
 // Registered as PyTorch operators (torch.ops.wscompress.lut_linear: x @ W^T for a palettized W;
@@ -1054,16 +1065,16 @@ torch::Tensor lut_dense(torch::Tensor idx, torch::Tensor tables, int64_t width, 
 // like any aten op; wscompress/kernels gives their shape rules.
 TORCH_LIBRARY_FRAGMENT(wscompress, m) {
   m.def("lut_linear(Tensor x, Tensor idx, Tensor tables, int width, int group_size, int out, Tensor row_ptr, "
-        "Tensor col, Tensor delta) -> Tensor");
+        "Tensor pos, Tensor delta) -> Tensor");
   m.def("lut_linear_q8(Tensor x, Tensor idx, Tensor tables, Tensor scales, int width, int group_size, int out, "
-        "Tensor row_ptr, Tensor col, Tensor delta) -> Tensor");
+        "Tensor row_ptr, Tensor pos, Tensor delta) -> Tensor");
   m.def("lut_q8(int width) -> bool", &lut_q8);
   m.def("lut_dense(Tensor idx, Tensor tables, int width, int group_size, int out, int in_features, Tensor row_ptr, "
-        "Tensor col, Tensor delta) -> Tensor");
+        "Tensor pos, Tensor delta) -> Tensor");
   m.def("lut_dense_q8(Tensor idx, Tensor tables, Tensor scales, int width, int group_size, int out, int in_features) "
         "-> Tensor");
   m.def("lut_linear_i8(Tensor x, Tensor idx, Tensor tables, Tensor scales, int width, int group_size, int out, "
-        "Tensor row_ptr, Tensor col, Tensor delta) -> Tensor");
+        "Tensor row_ptr, Tensor pos, Tensor delta) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(wscompress, CPU, m) {

@@ -77,7 +77,7 @@ def _packed(tables: torch.Tensor) -> bool:
 
 
 @triton.jit
-def _lut_gemv(x_ptr, idx_ptr, tab_ptr, y_ptr, row_ptr, out_col, out_delta, scale_ptr, n_out, n_in, group_size,
+def _lut_gemv(x_ptr, idx_ptr, tab_ptr, y_ptr, row_ptr, out_pos, out_delta, scale_ptr, n_out, n_in, group_size,
               k_split, WIDTH: tl.constexpr, D: tl.constexpr, PACKED: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_K: tl.constexpr, OUTLIERS: tl.constexpr, SCALED: tl.constexpr, SHARED: tl.constexpr,
               TABLE: tl.constexpr):
@@ -147,8 +147,9 @@ def _lut_gemv(x_ptr, idx_ptr, tab_ptr, y_ptr, row_ptr, out_col, out_delta, scale
             for e0 in range(start, end, 64):
                 e = e0 + tl.arange(0, 64)
                 e_ok = e < end
-                col = tl.load(out_col + e, mask=e_ok, other=0).to(tl.int64)
-                part = tl.load(out_delta + e, mask=e_ok, other=0.0) * tl.load(x_row + col, mask=e_ok, other=0.0).to(tl.float32)
+                col = tl.load(out_pos + e, mask=e_ok, other=0).to(tl.int64) % n_in  # flat positions
+                part = (tl.load(out_delta + e, mask=e_ok, other=0.0).to(tl.float32)
+                        * tl.load(x_row + col, mask=e_ok, other=0.0).to(tl.float32))
                 mine = (e[None, :] >= first[:, None]) & (e[None, :] < last[:, None])
                 acc += tl.sum(tl.where(mine, part[None, :], 0.0), axis=1)
     if SCALED:  # the row scales, here rather than as one more kernel after this one (each launch costs ~2 us)
@@ -168,9 +169,9 @@ def _run(launch: Launch, x: torch.Tensor, indices: torch.Tensor, width: int, tab
     k_split = triton.cdiv(triton.cdiv(n_in, launch.split), launch.block_k) * launch.block_k
     split = triton.cdiv(n_in, k_split)
     y = torch.empty(split, rows, out_features, dtype=x.dtype if split == 1 else torch.float32, device=x.device)
-    row_ptr, col, delta = outliers if outliers is not None else (y, y, y)  # unused pointers when there are none
+    row_ptr, pos, delta = outliers if outliers is not None else (y, y, y)  # unused pointers when there are none
     _lut_gemv[(triton.cdiv(out_features, launch.block_n), split, rows)](
-        x, indices, flat, y, row_ptr, col, delta, y if scale is None else scale, out_features, n_in, group_size,
+        x, indices, flat, y, row_ptr, pos, delta, y if scale is None else scale, out_features, n_in, group_size,
         k_split, WIDTH=width, D=d, PACKED=TL_FLOAT[tables.dtype] if packed else None,
         BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, OUTLIERS=outliers is not None, SCALED=scale is not None,
         SHARED=launch.shared, TABLE=flat.shape[1], num_warps=launch.warps)
@@ -201,8 +202,8 @@ def lut_linear(x: torch.Tensor, indices: torch.Tensor, width: int, tables: torch
                scale: torch.Tensor | None = None) -> torch.Tensor:
     """x (rows, in) @ Wᵀ for the palettized W that ``indices`` (``width`` 4 or 8, as
     ``kernels.palettized_linear`` takes them) and ``tables`` (groups, K) or, at width 8, vectors
-    (groups, K, d) describe, plus the ``outliers``' corrections (CSR by row: row_ptr int32, col
-    uint16, delta float32), times the row ``scale`` where given, in x's dtype.
+    (groups, K, d) describe, plus the ``outliers``' corrections (``SparseRows``: CSR by row,
+    flat positions int32, delta float16 or float32), times the row ``scale`` where given, in x's dtype.
     The first call at a shape times the candidate launches; call it once before capturing a CUDA graph."""
     launch = _pick(x, indices, width, tables, group_size, out_features, outliers, scale)
     return _run(launch, x, indices, width, tables, group_size, out_features, outliers, scale)

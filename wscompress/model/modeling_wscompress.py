@@ -195,21 +195,26 @@ def huffman_decode(stream: HuffmanStream) -> np.ndarray:
 
 class SparseRows(NamedTuple):
     """A palettized layer's weights kept aside from its codebook (outliers), as corrections by
-    weight row (CSR): row r's are at columns ``col[row_ptr[r]:row_ptr[r + 1]]``, each adding
-    ``delta`` (the exact weight minus its codebook value). By rows, the CPU kernel adds a row's
-    few while its sums are in registers."""
-    row_ptr: torch.Tensor  # (out + 1,) int32: a layer's outliers are counted in int32 as their positions are
-    col: torch.Tensor  # uint16: held beside the stored outliers, so in as few bytes as a column takes
-    delta: torch.Tensor  # float32
+    weight row (CSR): row r's are at flat positions ``pos[row_ptr[r]:row_ptr[r + 1]]`` of the
+    (out, in) weight (column ``pos - r·in``), each adding ``delta`` (the exact weight minus its
+    codebook value). By rows, the CPU kernel adds a row's few while its sums are in registers.
+    ``pos`` is the layer's stored ``outlier_index`` itself where that is sorted, and ``delta``
+    float16 where the layer stores its values so, so the kernels hold 2 bytes an outlier beside
+    what the file holds, not 6 (docs/runtime.md)."""
+    row_ptr: torch.Tensor  # (out + 1,) int32
+    pos: torch.Tensor  # int32, ascending
+    delta: torch.Tensor  # float16 or float32
 
     @classmethod
     def from_positions(cls, pos: torch.Tensor, delta: torch.Tensor, shape: tuple[int, int]) -> SparseRows:
-        """From flat positions in a (out, in) weight, in any order, and their corrections."""
-        order = pos.argsort()
-        pos = pos[order]
+        """From flat positions in a (out, in) weight and their corrections: ``pos`` itself
+        where it is ascending int32, else sorted (a copy)."""
+        if pos.dtype != torch.int32 or bool((pos[1:] < pos[:-1]).any()):
+            order = pos.argsort()
+            pos, delta = pos[order].to(torch.int32), delta[order]
         counts = torch.bincount(pos // shape[1], minlength=shape[0])
         row_ptr = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(torch.int32)
-        return cls(row_ptr, (pos % shape[1]).to(torch.uint16), delta[order].float().contiguous())
+        return cls(row_ptr, pos.contiguous(), delta.contiguous())
 
 
 # devices whose kernels read pairs' 6-bit indices (the 3-bit recipe) as stored, so that they are
@@ -654,9 +659,10 @@ class PalettizedLinear(CompressedLinear):
         if scale is not None:
             layer.scale = nn.Parameter(scale.detach().to(stored).to(codebook.dtype).clone())
         layer.indices = pack(indices, layer.bits)
-        if outliers is not None:
-            layer.outlier_index = outliers[0].to(torch.int32)
-            layer.outlier_value = nn.Parameter(outliers[1].detach().to(stored).to(codebook.dtype))
+        if outliers is not None:  # ascending, as the kernels read them (``SparseRows``)
+            order = outliers[0].argsort()
+            layer.outlier_index = outliers[0][order].to(torch.int32)
+            layer.outlier_value = nn.Parameter(outliers[1][order].detach().to(stored).to(codebook.dtype))
         if bias is not None:
             layer.bias = nn.Parameter(bias.detach().clone())
         if stream is not None:
@@ -756,9 +762,9 @@ class PalettizedLinear(CompressedLinear):
         for nibbles (once, not per call: on a GPU each call's pad was one more kernel launch); for
         scalar tables and byte-indexed pairs on rows of a multiple of 32 weights, the tables rounded
         for the 8-bit kernels too (``round_tables``). None where a row's indices do not fill whole
-        bytes or the vectors are longer, or outliers' columns do not fit 16 bits."""
+        bytes or the vectors are longer."""
         d, cols = self.cluster_dim, self.in_features // self.cluster_dim
-        if d not in (1, 2, 4) or cols % 2 or self.outliers and self.in_features > 1 << 16:
+        if d not in (1, 2, 4) or cols % 2:
             return None
         if torch.compiler.is_compiling():  # a compiled graph reads the layout an eager call prepared (fixed values)
             return getattr(self, "_layout", None)
@@ -770,6 +776,9 @@ class PalettizedLinear(CompressedLinear):
             key += [(t.data_ptr(), t._version) for t in (buffers["outlier_index"], params["outlier_value"],
                                                           params.get("scale")) if t is not None]
         if getattr(self, "_layout_key", None) != key:
+            if self.outliers and bool((buffers["outlier_index"].diff() < 0).any()):  # a folder written unsorted
+                self._sort_outliers()
+                return self.kernel_layout()
             idx = self.index_matrix()
             stored = self.bits in (4, 8) or (self.bits == 6 and d == 2 and self.in_features % 32 == 0
                                              and self.indices.device.type in SIX_BIT_PAIRS)
@@ -779,9 +788,12 @@ class PalettizedLinear(CompressedLinear):
             if self.outliers:  # the exact weights kept aside: their difference to the codebook value
                 pos = self.outlier_index.long()
                 row, col = pos // self.in_features, pos % self.in_features
-                exact = self.outlier_value if self.scale is None else self.outlier_value / self.scale[row]
-                delta = exact - self.codebook[row // self.group_size, idx[row, col // d], col % d]  # before scaling
-                sparse = SparseRows.from_positions(pos, delta.detach(), (self.out_features, self.in_features))
+                value = self.outlier_value.float()  # in float32 whatever they are held in: rounded once, below
+                exact = value if self.scale is None else value / self.scale[row].float()
+                delta = exact - self.codebook[row // self.group_size, idx[row, col // d], col % d].float()  # before scaling
+                # float16 errs by at most what storing the exact value in 16 bits did
+                delta = delta.to(torch.float32 if self.codebook_dtype == "float32" else torch.float16)
+                sparse = SparseRows.from_positions(self.outlier_index, delta.detach(), (self.out_features, self.in_features))
             tables = self.codebook[..., 0] if d == 1 else self.codebook
             if width == 4 and tables.shape[1] < 16:
                 tables = F.pad(tables, (0, 0) * (d > 1) + (0, 16 - tables.shape[1]))
@@ -789,6 +801,14 @@ class PalettizedLinear(CompressedLinear):
                        and tables.device.type == "cpu" else None)  # only the CPU's 8-bit kernels read them
             self._layout, self._layout_key = KernelLayout(layout, width, sparse, tables.detach().contiguous(), rounded), key
         return self._layout
+
+    @torch.no_grad()
+    def _sort_outliers(self) -> None:
+        """Order the kept-aside weights by position, in place, so that the kernels read the
+        stored positions themselves (``SparseRows``); what the layer computes is unchanged."""
+        order = self.outlier_index.argsort()
+        self.outlier_index.copy_(self.outlier_index[order])
+        self.outlier_value.copy_(self.outlier_value[order])
 
     def lut_forward(self, x: torch.Tensor) -> torch.Tensor | None:
         """x @ Wᵀ by a registered look-up-table kernel, never forming W; None where it does not apply."""
