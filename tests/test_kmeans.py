@@ -315,7 +315,9 @@ def test_finetune_method_mode_trains_the_centroids_and_the_weights_kept_aside(tm
     before = {k: v.clone() for k, v in model.state_dict().items()}
     model, _ = finetune(model, tokenizer, recipe(tmp_path, mode="method"))
     layer = model.model.layers[0].mlp.up_proj
-    assert layer.trainable_parameters() == [layer.codebook, layer.outlier_value] + [layer.scale] * row_scale
+    assert layer.trainable_parameters() == [] and layer.codebook.dtype == getattr(torch, layer.codebook_dtype)  # held again
+    assert layer.train_values() == [layer.codebook, layer.outlier_value] + [layer.scale] * row_scale
+    layer.train_values(False)
     after = model.state_dict()
     moved = {k for k in after if not torch.equal(after[k], before[k])}
     trained = ("codebook", "outlier_value") + ("scale",) * row_scale

@@ -252,7 +252,9 @@ def test_dtype_device_map_generate_and_pipeline(folders, tokenizer):
     folder, _ = folders["basis_sharing_then_kmeans"]
     half, _ = wscompress.load(folder, dtype=torch.bfloat16, device="cpu")
     stock = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
-    assert stock.model.layers[0].mlp.down_proj.coeff.codebook.dtype == torch.bfloat16
+    coeff = stock.model.layers[0].mlp.down_proj.coeff
+    assert coeff.codebook.dtype == torch.float16 and coeff.dtype_probe.dtype == torch.bfloat16  # held as stored
+    assert stock.dtype == half.dtype == torch.bfloat16  # the first floating parameter's: not a codebook's
     assert stock.model.layers[0].mlp.down_proj.coeff.indices.dtype == torch.uint8
     torch.testing.assert_close(logits_of(stock), logits_of(half))
 

@@ -307,8 +307,8 @@ def palettized_linear(x: torch.Tensor, indices: torch.Tensor, width: int, tables
         y = module.lut_linear_q8(flat, indices, *rounded, width, group_size, out_features, *sparse)
     else:
         y = module.lut_linear(flat, indices, tables.detach().float().contiguous(), width, group_size, out_features, *sparse)
-    if scale is not None:
-        y = y * (scale if scale.dtype == y.dtype else scale.to(y.dtype))
+    if scale is not None:  # held as stored (float16): multiplied in as it is, with no converted copy per call
+        y.mul_(scale)
     return y.view(*x.shape[:-1], out_features)
 
 

@@ -544,14 +544,17 @@ class PalettizedLinear(CompressedLinear):
     kept aside (``outliers`` of them) replace their codebook value: ``outlier_index`` holds their
     flat positions, ``outlier_value`` their values. With ``scaled``, row r's codebook values are
     multiplied by ``scale[r]`` (the kept-aside values are not): rows of different magnitudes
-    share a codebook of normalised values (GPTVQ). Codebooks, scales and outliers are stored in
-    ``codebook_dtype`` (computed in the model's dtype). Where a look-up-table kernel is
+    share a codebook of normalised values (GPTVQ). Codebooks, scales and outliers ("values") are
+    stored in ``codebook_dtype`` and held so in memory too, as buffers that ``.to(dtype)`` leaves
+    as they are (``model.dtype`` stays the model's): ``dtype_probe`` (empty, not saved) follows
+    ``.to(dtype)`` and tells the dtype the layer computes in. ``train_values`` makes them float32
+    parameters while fine-tuning trains them. Where a look-up-table kernel is
     registered (``KERNELS``) it computes from the indices directly; elsewhere, and while the
     codebook trains, the dense weight is materialised on each forward. With ``stream_bytes`` set,
     the file stores the indices Huffman-coded instead (``huffman_*`` buffers) and loading decodes them.
     """
 
-    VALUES = ("codebook", "outlier_value", "scale")  # the parameters stored in codebook_dtype (those present)
+    VALUES = ("codebook", "outlier_value", "scale")  # the tensors stored in codebook_dtype (those present)
 
     def __init__(self, in_features: int, out_features: int, bits: int, group_size: int | None = None,
                  cluster_dim: int = 1, bias: bool = False, stream_bytes: int | None = None, conv1d: bool = False,
@@ -562,12 +565,14 @@ class PalettizedLinear(CompressedLinear):
         self.cluster_dim, self.stream_bytes = cluster_dim, stream_bytes
         self.codebook_dtype, self.outliers, self.scaled = codebook_dtype, outliers, scaled
         k, n = 2 ** bits, self.num_indices
-        self.codebook = nn.Parameter(torch.empty(out_features // self.group_size, k, cluster_dim))
-        self.scale = nn.Parameter(torch.empty(out_features)) if scaled else None
+        held = getattr(torch, codebook_dtype)
+        self.register_buffer("dtype_probe", torch.empty(0), persistent=False)
+        self.register_buffer("codebook", torch.empty(out_features // self.group_size, k, cluster_dim, dtype=held))
+        self.register_buffer("scale", torch.empty(out_features, dtype=held) if scaled else None)
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         if outliers:
             self.register_buffer("outlier_index", torch.empty(outliers, dtype=torch.int32))
-            self.outlier_value = nn.Parameter(torch.empty(outliers))  # a parameter: fine-tuning trains it
+            self.register_buffer("outlier_value", torch.empty(outliers, dtype=held))
         self.register_buffer("indices", torch.empty(packed_nbytes(n, bits), dtype=torch.uint8),
                              persistent=stream_bytes is None)
         if stream_bytes is not None:
@@ -655,14 +660,15 @@ class PalettizedLinear(CompressedLinear):
                     None if stream is None else len(stream.data), conv1d, codebook_dtype,
                     0 if outliers is None else outliers[0].numel(), scale is not None)
         stored = getattr(torch, codebook_dtype)
-        layer.codebook = nn.Parameter(codebook.detach().to(stored).to(codebook.dtype).clone())  # its own storage
+        layer.dtype_probe = layer.dtype_probe.to(codebook.device, codebook.dtype)  # it computes in the codebook's dtype
+        layer.codebook = codebook.detach().to(stored, copy=True)  # its own storage
         if scale is not None:
-            layer.scale = nn.Parameter(scale.detach().to(stored).to(codebook.dtype).clone())
+            layer.scale = scale.detach().to(stored, copy=True)
         layer.indices = pack(indices, layer.bits)
         if outliers is not None:  # ascending, as the kernels read them (``SparseRows``)
             order = outliers[0].argsort()
             layer.outlier_index = outliers[0][order].to(torch.int32)
-            layer.outlier_value = nn.Parameter(outliers[1][order].detach().to(stored).to(codebook.dtype))
+            layer.outlier_value = outliers[1][order].detach().to(stored)
         if bias is not None:
             layer.bias = nn.Parameter(bias.detach().clone())
         if stream is not None:
@@ -678,20 +684,47 @@ class PalettizedLinear(CompressedLinear):
                 destination[prefix + name] = destination[prefix + name].detach().to(getattr(torch, self.codebook_dtype))
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        for name in self.VALUES:  # back to the dtype the layer computes in
-            if prefix + name in state_dict:
-                state_dict[prefix + name] = state_dict[prefix + name].to(self.codebook.dtype)
+        for name in self.VALUES:  # in the dtype they are held in (trained: float32)
+            if prefix + name in state_dict and getattr(self, name) is not None:
+                state_dict[prefix + name] = state_dict[prefix + name].to(getattr(self, name).dtype)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)  # then ``settle`` checks and decodes
 
     def settle(self, dtype: torch.dtype | None) -> None:
-        """Decode the Huffman-coded indices the file held, and bring codebooks, scales and outliers
-        (stored in ``codebook_dtype``, which transformers' loader keeps) to ``dtype``, as
-        ``_load_from_state_dict`` does."""
+        """Decode the Huffman-coded indices the file held, hold the values as stored (whatever
+        transformers' loader made of them) and compute in ``dtype``."""
         self.decode_stream()
+        self.train_values(False)
         if dtype is not None:
-            with torch.no_grad():
-                for p in self.trainable_parameters():  # exactly the values stored in codebook_dtype
-                    p.data = p.data.to(dtype)
+            self.dtype_probe = self.dtype_probe.to(dtype)
+
+    def _apply(self, fn, recurse: bool = True):
+        """``.to``, ``.cuda``, ``.half`` and the like, which leave held values in ``codebook_dtype``
+        (a float16 codebook of a float32 model stays float16: 2 bytes a value, as stored)."""
+        super()._apply(fn, recurse)
+        held = getattr(torch, self.codebook_dtype)
+        for name in self.VALUES:
+            t = self._buffers.get(name)
+            if t is not None and t.dtype != held:
+                self._buffers[name] = t.to(held)
+        return self
+
+    @torch.no_grad()
+    def train_values(self, train: bool = True) -> list[nn.Parameter]:
+        """Make the values float32 parameters that fine-tuning trains (``train``), or hold them
+        again as buffers rounded to ``codebook_dtype``, as saving rounds them (not ``train``: how
+        a layer is built and loaded). Returns the parameters, those present (none when held)."""
+        held = getattr(torch, self.codebook_dtype)
+        for name in self.VALUES:
+            if name not in self._buffers and name not in self._parameters:
+                continue  # no outliers
+            t = self._buffers.pop(name) if name in self._buffers else self._parameters.pop(name)
+            if t is None:
+                self.register_buffer(name, None)
+            elif train:
+                self.register_parameter(name, nn.Parameter(t.detach().float()))
+            else:
+                self.register_buffer(name, t.detach().to(held))
+        return self.trainable_parameters()
 
     def decode_stream(self, where: str = "a palettized layer") -> None:
         """Fill ``indices`` from the Huffman-coded stream the file holds (a no-op without one),
@@ -737,12 +770,14 @@ class PalettizedLinear(CompressedLinear):
         packed = self.indices.view(self.out_features, -1)[ids]  # a row's indices fill whole bytes (cols % 8 == 0)
         idx = unpack(packed.reshape(-1), self.bits, len(ids) * cols).view(len(ids), cols)
         w = self.codebook[ids // self.group_size].gather(1, idx[..., None].expand(-1, -1, self.cluster_dim)).flatten(1)
-        return w if self.scale is None else w * self.scale[ids, None]
+        w = w.to(self.dtype_probe.dtype)
+        return w if self.scale is None else w * self.scale[ids, None].to(w.dtype)
 
     def dense_weight(self) -> torch.Tensor:
-        w = dequantize(self.codebook, self.index_matrix(), self.group_size)
+        dtype = self.dtype_probe.dtype
+        w = dequantize(self.codebook.to(dtype), self.index_matrix(), self.group_size)
         if self.scale is not None:
-            w = w * self.scale[:, None]
+            w = w * self.scale.to(dtype)[:, None]
         if not self.outliers:
             return w
         return w.flatten().index_put((self.outlier_index.long(),), self.outlier_value.to(w.dtype)).view_as(w)
@@ -770,11 +805,11 @@ class PalettizedLinear(CompressedLinear):
             return getattr(self, "_layout", None)
         # read from the module's dicts, not as attributes: nn.Module's attribute lookup made this check
         # cost more than a small layer's product (it runs on every eager call)
-        params, buffers = self._parameters, self._buffers
-        key = [(t.data_ptr(), t._version) for t in (buffers["indices"], params["codebook"])]
+        buffers, value = self._buffers, self._value
+        key = [(t.data_ptr(), t._version) for t in (buffers["indices"], value("codebook"))]
         if self.outliers:  # their corrections depend on the codebook and scales (which fine-tuning trains) too
-            key += [(t.data_ptr(), t._version) for t in (buffers["outlier_index"], params["outlier_value"],
-                                                          params.get("scale")) if t is not None]
+            key += [(t.data_ptr(), t._version) for t in (buffers["outlier_index"], value("outlier_value"),
+                                                          value("scale")) if t is not None]
         if getattr(self, "_layout_key", None) != key:
             if self.outliers and bool((buffers["outlier_index"].diff() < 0).any()):  # a folder written unsorted
                 self._sort_outliers()
@@ -820,13 +855,18 @@ class PalettizedLinear(CompressedLinear):
         if layout is None:
             return None
         return fast(x, layout.indices, layout.width, layout.tables, self.group_size, self.out_features, layout.outliers,
-                    layout.rounded, self._parameters.get("scale"))
+                    layout.rounded, self._value("scale"))
+
+    def _value(self, name: str) -> torch.Tensor | None:
+        """A value held (a buffer) or trained (a parameter), read from the module's dicts (cheap)."""
+        t = self._buffers.get(name)
+        return self._parameters.get(name) if t is None else t
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         """Fine-tuning a palettized layer trains its centroids (Deep Compression) and the weights
         kept aside (as SpQR and PV-tuning do), and the row scales: all are stored as values, so
-        training is free in size."""
-        return [p for name in self.VALUES if (p := getattr(self, name, None)) is not None]
+        training is free in size. They are parameters only while ``train_values`` made them so."""
+        return [p for name in self.VALUES if (p := self._parameters.get(name)) is not None]
 
     def parameter_count(self) -> int:
         return self.out_features * self.in_features + (self.out_features if self.bias is not None else 0)

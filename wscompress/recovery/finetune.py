@@ -37,7 +37,7 @@ from ..io import data, distributed, storage, ui
 from ..io.files import save_tensors
 from ..io.offload import model_device, offload_of
 from ..model.arch import match_modules
-from ..model.modeling_wscompress import CompressedLinear
+from ..model.modeling_wscompress import CompressedLinear, PalettizedLinear
 from ..recipe.schema import FinetuneConfig, Recipe
 
 CKPT = "finetune-checkpoint"
@@ -106,6 +106,15 @@ def prepare(model: nn.Module, cfg: FinetuneConfig) -> tuple[nn.Module, list[nn.P
         p.requires_grad_(False)
     finalize: Callable[[], dict] = dict
     state: list[torch.Tensor] = []
+    if cfg.mode in ("full", "method"):  # palettized layers hold their values as stored: train them in float32
+        thawed = [m for m in model.modules() if isinstance(m, PalettizedLinear)]
+        for m in thawed:
+            m.train_values()
+
+        def finalize() -> dict:  # held as stored again, rounded as saving rounds them
+            for m in thawed:
+                m.train_values(False)
+            return {}
     if cfg.mode == "full":
         params = list(model.parameters())
     elif cfg.mode == "method":
