@@ -307,6 +307,32 @@ def test_tied_embedding_and_head_are_one_palettized_table(tokenizer, tmp_path, o
     torch.testing.assert_close(_outputs(stock, x), _outputs(model, x), rtol=1e-5, atol=kernel_tolerance(model))
 
 
+def test_values_are_held_as_stored_whatever_the_model_computes_in():
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(32, 64, generator=gen)
+    codebook, idx = cluster(w.reshape(32, -1, 1), 3)
+    layer = PalettizedLinear.from_clusters(codebook, idx.reshape(32, 64), None, codebook_dtype="float16",
+                                           outliers=(torch.arange(0, 2048, 97), torch.randn(22, generator=gen)),
+                                           scale=torch.rand(32, generator=gen) + 0.5)
+    held = [layer.codebook, layer.outlier_value, layer.scale]
+    assert all(t.dtype == torch.float16 for t in held) and layer.trainable_parameters() == []
+    assert not list(layer.parameters())  # so a model's dtype (its first floating parameter's) is never theirs
+    x = torch.randn(3, 64, generator=gen)
+    want = layer(x)
+    assert want.dtype == layer.dense_weight().dtype == torch.float32
+    layer.to(torch.bfloat16)  # computes in bfloat16, holds the values as stored
+    assert [t.dtype for t in (layer.codebook, layer.outlier_value, layer.scale)] == [torch.float16] * 3
+    assert layer(x.bfloat16()).dtype == layer.dense_weight().dtype == layer.rows(torch.tensor([1, 5])).dtype == torch.bfloat16
+    layer.to(torch.float32)
+    torch.testing.assert_close(layer(x), want, rtol=0, atol=0)  # nothing was rounded on the way
+    trained = layer.train_values()
+    assert [p.dtype for p in trained] == [torch.float32] * 3 and all(isinstance(p, torch.nn.Parameter) for p in trained)
+    layer.to(torch.float32)  # a parameter being trained stays float32
+    assert layer.codebook.dtype == torch.float32
+    layer.train_values(False)
+    assert layer.codebook.dtype == torch.float16 and layer.trainable_parameters() == []
+
+
 @pytest.mark.parametrize("row_scale", [False, True])
 def test_finetune_method_mode_trains_the_centroids_and_the_weights_kept_aside(tmp_path, tokenizer, row_scale):
     model = tiny_model("llama")  # with the shipped recipes' float16 head, which stays as it is

@@ -700,12 +700,14 @@ class PalettizedLinear(CompressedLinear):
     def _apply(self, fn, recurse: bool = True):
         """``.to``, ``.cuda``, ``.half`` and the like, which leave held values in ``codebook_dtype``
         (a float16 codebook of a float32 model stays float16: 2 bytes a value, as stored)."""
-        super()._apply(fn, recurse)
-        held = getattr(torch, self.codebook_dtype)
-        for name in self.VALUES:
-            t = self._buffers.get(name)
-            if t is not None and t.dtype != held:
-                self._buffers[name] = t.to(held)
+        held = {name: t for name in self.VALUES if (t := self._buffers.get(name)) is not None}
+        for name in held:  # kept out of ``fn``: float16 -> bfloat16 -> float16 would round them
+            self._buffers[name] = None
+        try:
+            super()._apply(fn, recurse)
+        finally:  # to the device ``fn`` moved the probe to (a meta tensor has no values to keep)
+            for name, t in held.items():
+                self._buffers[name] = fn(t).to(t.dtype) if t.is_meta else t.to(self.dtype_probe.device)
         return self
 
     @torch.no_grad()
