@@ -638,7 +638,12 @@ def test_kernels_are_pytorch_operators_with_shape_rules():
     torch.library.opcheck(torch.ops.wscompress.lut_dense.default,
                           (indices, tables.float().contiguous(), width, 4, 48, 64, *sparse))
     if kernels.q8(width):
-        torch.library.opcheck(torch.ops.wscompress.lut_linear_q8.default, (x, indices, *rounded, width, 4, 48, *sparse))
+        q8 = torch.ops.wscompress.lut_linear_q8.default
+        torch.library.opcheck(q8, (x, indices, *rounded, width, 4, 48, *sparse))
+        unscaled, scale = q8(x, indices, *rounded, width, 4, 48, *sparse), torch.rand(48) + 0.5
+        for s in (scale, scale.half()):  # the row scales as a layer holds them, applied as each row ends
+            torch.library.opcheck(q8, (x, indices, *rounded, width, 4, 48, *sparse, s))
+            torch.testing.assert_close(q8(x, indices, *rounded, width, 4, 48, *sparse, s), unscaled * s.float(), rtol=0, atol=0)
     basis, coeff = torch.randn(13, 70), torch.randn(37, 13)
     torch.library.opcheck(torch.ops.wscompress.lowrank_linear.default, (torch.randn(2, 70), basis, coeff, None))
     torch.library.opcheck(torch.ops.wscompress.lowrank_linear.default, (torch.randn(1, 1, 70), basis, coeff, torch.randn(37)))

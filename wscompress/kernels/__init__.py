@@ -114,7 +114,8 @@ def _shape_rules(source: str) -> None:
         torch.library.register_fake("wscompress::lut_linear")(
             lambda x, idx, tables, width, group_size, out, row_ptr, pos, delta: x.new_empty(x.shape[0], out))
         torch.library.register_fake("wscompress::lut_linear_q8")(
-            lambda x, idx, tables, scales, width, group_size, out, row_ptr, pos, delta: x.new_empty(x.shape[0], out))
+            lambda x, idx, tables, scales, width, group_size, out, row_ptr, pos, delta, row_scale=None:
+            x.new_empty(x.shape[0], out))
         torch.library.register_fake("wscompress::lut_dense")(
             lambda idx, tables, width, group_size, out, in_features, row_ptr, pos, delta: tables.new_empty(out, in_features))
         torch.library.register_fake("wscompress::lut_linear_i8")(
@@ -303,11 +304,12 @@ def palettized_linear(x: torch.Tensor, indices: torch.Tensor, width: int, tables
     elif flat.shape[0] > DECODE_ROWS:  # prefill: decode this layer's dense weight once (transient), the BLAS multiplies
         w = module.lut_dense(indices, tables.detach().float().contiguous(), width, group_size, out_features, flat.shape[1], *sparse)
         y = F.linear(flat, w)
-    elif rounded is not None and q8(width):
-        y = module.lut_linear_q8(flat, indices, *rounded, width, group_size, out_features, *sparse)
+    elif rounded is not None and q8(width):  # the row scales applied as each row ends
+        y = module.lut_linear_q8(flat, indices, *rounded, width, group_size, out_features, *sparse, scale)
+        return y.view(*x.shape[:-1], out_features)
     else:
         y = module.lut_linear(flat, indices, tables.detach().float().contiguous(), width, group_size, out_features, *sparse)
-    if scale is not None:  # held as stored (float16): multiplied in as it is, with no converted copy per call
+    if scale is not None:  # held as stored (float16): multiplied in as it is, with no converted copy
         y.mul_(scale)
     return y.view(*x.shape[:-1], out_features)
 

@@ -49,16 +49,23 @@ inline uint64_t spread6(uint64_t v) {
 
 // The outliers' corrections, CSR by weight row; row_ptr null: none. Their positions are flat in
 // the (out, in) weight: the stored ones, read as they are (a column more a row costs bytes).
-// The corrections are float16 where the layer stores its values so, else float32.
+// The corrections are float16 where the layer stores its values so, else float32. The byte
+// products also end each row here with its scale (`scale`, float16 or float32, as the layer
+// holds them; null: none): one multiply in the row's store, not one more operator a call.
 struct Sparse {
   const int32_t* row_ptr;
   const int32_t* pos;
   const void* delta;
   bool half;
   int64_t in;
+  const void* scale = nullptr;
+  bool scale_half = false;
   int64_t col(int64_t p, int64_t r) const { return pos[p] - r * in; }
   float d(int64_t p) const {
     return half ? static_cast<float>(static_cast<const at::Half*>(delta)[p]) : static_cast<const float*>(delta)[p];
+  }
+  float s(int64_t r) const {
+    return scale_half ? static_cast<float>(static_cast<const at::Half*>(scale)[r]) : static_cast<const float*>(scale)[r];
   }
 };
 
@@ -473,7 +480,7 @@ struct Q8X {
 inline void q8_store(float sum, Sparse sp, const float* x, float* y, int64_t r) {
   if (sp.row_ptr)
     for (int64_t p = sp.row_ptr[r]; p < sp.row_ptr[r + 1]; ++p) sum += sp.d(p) * x[sp.col(p, r)];
-  y[r] = sum;
+  y[r] = sp.scale ? sum * sp.s(r) : sum;
 }
 
 #ifdef WSCOMPRESS_Q8_512
@@ -959,13 +966,20 @@ int64_t q8_vector_length(const torch::Tensor& idx, const torch::Tensor& tables, 
 // rows of a multiple of 32 weights (see lut_q8).
 torch::Tensor lut_linear_q8(torch::Tensor x, torch::Tensor idx, torch::Tensor tables, torch::Tensor scales,
                             int64_t width, int64_t group_size, int64_t out, torch::Tensor row_ptr, torch::Tensor pos,
-                            torch::Tensor delta) {
+                            torch::Tensor delta, const c10::optional<torch::Tensor>& row_scale) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x: contiguous float32 (batch, in)");
   const int64_t in = x.size(1);
   TORCH_CHECK(lut_q8(width), "this build has no 8-bit path for width ", width, " (see lut_q8)");
   TORCH_CHECK(in % QBLOCK == 0, "rows of a multiple of 32 weights");
   const int64_t d = q8_vector_length(idx, tables, scales, width, group_size, out, in);
-  const Sparse sp = sparse(row_ptr, pos, delta, out, in);
+  Sparse sp = sparse(row_ptr, pos, delta, out, in);
+  if (row_scale.has_value()) {
+    const torch::Tensor& s = *row_scale;
+    sp.scale_half = s.scalar_type() == torch::kHalf;
+    TORCH_CHECK((sp.scale_half || s.scalar_type() == torch::kFloat) && s.is_contiguous() && s.numel() == out,
+                "row_scale: contiguous float16 or float32, one per output row");
+    sp.scale = s.data_ptr();
+  }
 #ifdef WSCOMPRESS_Q8
   if (width == 6) return run_q8<6, 2>(x, idx, tables, scales, group_size, out, sp);
 #endif
@@ -1105,7 +1119,7 @@ TORCH_LIBRARY_FRAGMENT(wscompress, m) {
   m.def("lut_linear(Tensor x, Tensor idx, Tensor tables, int width, int group_size, int out, Tensor row_ptr, "
         "Tensor pos, Tensor delta) -> Tensor");
   m.def("lut_linear_q8(Tensor x, Tensor idx, Tensor tables, Tensor scales, int width, int group_size, int out, "
-        "Tensor row_ptr, Tensor pos, Tensor delta) -> Tensor");
+        "Tensor row_ptr, Tensor pos, Tensor delta, Tensor? row_scale=None) -> Tensor");
   m.def("lut_q8(int width) -> bool", &lut_q8);
   m.def("lut_dense(Tensor idx, Tensor tables, int width, int group_size, int out, int in_features, Tensor row_ptr, "
         "Tensor pos, Tensor delta) -> Tensor");
