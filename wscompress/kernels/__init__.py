@@ -305,8 +305,7 @@ def palettized_linear(x: torch.Tensor, indices: torch.Tensor, width: int, tables
         w = module.lut_dense(indices, tables.detach().float().contiguous(), width, group_size, out_features, flat.shape[1], *sparse)
         y = F.linear(flat, w)
     elif rounded is not None and q8(width):  # the row scales applied as each row ends
-        y = module.lut_linear_q8(flat, indices, *rounded, width, group_size, out_features, *sparse, scale)
-        return y.view(*x.shape[:-1], out_features)
+        y, scale = module.lut_linear_q8(flat, indices, *rounded, width, group_size, out_features, *sparse, scale), None
     else:
         y = module.lut_linear(flat, indices, tables.detach().float().contiguous(), width, group_size, out_features, *sparse)
     if scale is not None:  # held as stored (float16): multiplied in as it is, with no converted copy

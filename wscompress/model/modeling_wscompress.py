@@ -685,8 +685,8 @@ class PalettizedLinear(CompressedLinear):
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         for name in self.VALUES:  # in the dtype they are held in (trained: float32)
-            if prefix + name in state_dict and getattr(self, name) is not None:
-                state_dict[prefix + name] = state_dict[prefix + name].to(getattr(self, name).dtype)
+            if prefix + name in state_dict and (held := self._value(name)) is not None:
+                state_dict[prefix + name] = state_dict[prefix + name].to(held.dtype)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)  # then ``settle`` checks and decodes
 
     def settle(self, dtype: torch.dtype | None) -> None:
