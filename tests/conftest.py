@@ -7,6 +7,9 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# generate() on CPU would compile its decode step in the background (wscompress.evaluation.step_cache):
+# tests of it ask for that themselves; the others decode as transformers does
+os.environ.setdefault("WSCOMPRESS_COMPILE", "0")
 
 from pathlib import Path
 
@@ -53,6 +56,12 @@ def emulated_bfloat16():
     patch.setattr("wscompress.pipeline.layerwise.native_bfloat16", lambda _device: True)
     yield
     patch.undo()
+
+
+@pytest.fixture(autouse=True, scope="session")
+def step_cache_folder(tmp_path_factory):
+    """Compiled decode steps go to the session's temporary folder, never the user's cache."""
+    os.environ["WSCOMPRESS_STEP_CACHE"] = str(tmp_path_factory.mktemp("steps"))
 
 
 @pytest.fixture(scope="session")

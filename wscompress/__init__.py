@@ -20,6 +20,7 @@ if _os.path.basename(getattr(_sys, "argv", [""])[0]) == "wscompress":
     _memory.setup_process()
 
 from . import kernels  # noqa: E402,F401  (registers the kernels with the compressed layers)
+from .evaluation import step_cache as _step_cache  # noqa: E402,F401  (registers generate()'s cached compiled step)
 from .model.modeling_wscompress import register as _register  # noqa: E402
 
 _register()
@@ -47,8 +48,9 @@ def compress(model, stages: list, tokenizer=None, calibration: dict | None = Non
 
 def compile_decode(model):
     """Make ``model.generate()`` decode on a static KV cache with its step compiled (torch.compile,
-    the compressed layers' kernels inside the graph): compiling costs about a minute once, so it
-    pays for long or many generations (docs/runtime.md). Returns the model."""
+    the compressed layers' kernels inside the graph) from its first call, compiling in this
+    process where no step is saved yet (about a minute, once a machine on CPU; without this
+    call a compressed model's ``generate()`` compiles it in the background). Returns the model."""
     from .evaluation.decode import compile_decode as setup
 
     return setup(model)

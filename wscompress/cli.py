@@ -190,6 +190,29 @@ def check(recipe: Path = RecipeArg, set: Optional[List[str]] = SetOpt, quiet: bo
     _do(quiet, go)
 
 
+@app.command()
+def precompile(model: str = typer.Argument(..., help="Compressed checkpoint folder."),
+               batch: int = typer.Option(1, help="Sequences decoded at once."),
+               max_length: int = typer.Option(256, help="Positions (prompt and new tokens) at most; rounded up to 256."),
+               threads: int = typer.Option(0, help="Threads decoding will run on (default: torch's)."),
+               dtype: Optional[str] = typer.Option(None, help="Dtype the model will be loaded in (default: as stored)."),
+               key: Optional[str] = typer.Option(None, hidden=True),  # the asking process's: say whether it was made
+               quiet: bool = QuietOpt):
+    """Compile the decode step generate() uses for a folder on this machine, once (a first
+    generate() starts this in the background; docs/runtime.md)."""
+
+    def go():
+        from .evaluation.step_cache import precompile as run
+
+        keys, seconds = run(model, batch, max_length, threads or None, dtype)
+        if key is not None and key not in keys:
+            raise UsageError(f"precompile: the step compiled from {model} is not the one asked for ({key}): the "
+                             "asking process's model differs from the folder's", "nothing to do: it decodes eagerly")
+        typer.echo(f"decode step of {model} ready in {seconds:.0f} s: {', '.join(keys)}")
+
+    _do(quiet, go)
+
+
 def main() -> None:
     app()  # the process was set up before torch loaded (wscompress/__init__.py: the command's own process only)
 

@@ -9,7 +9,7 @@ Serving stacks compile the decode step, or capture it once as a CUDA graph and r
 which both need): ``compile=True`` traces the step once with torch.compile (the compressed
 layers' kernels are PyTorch operators the graph calls), ``graph=True`` (CUDA) captures it.
 ``compile_decode`` sets a model's ``generate`` up the same way (transformers' own static cache
-and automatic compilation).
+and automatic compilation; on CPU, through ``step_cache``'s step kept across processes).
 """
 
 from __future__ import annotations
@@ -42,10 +42,10 @@ def prompt_forward(model: nn.Module, input_ids: torch.Tensor):
 
 def compile_decode(model: nn.Module) -> nn.Module:
     """Make ``model.generate()`` decode on a static KV cache with its forward compiled
-    (transformers' own automatic compilation, which it otherwise turns on only on GPUs): the
-    first call compiles (about a minute for a 135M model on 2 CPU cores, less from inductor's
-    cache in a later process; again for each new cache length), later calls run the compiled
-    step. Worth it for long or many generations (docs/runtime.md has the measured trade-off)."""
+    (transformers' own automatic compilation, which it otherwise turns on only on GPUs). On CPU
+    a compressed model's first call compiles its step in this process (about a minute for a
+    135M model on 2 cores; again for each new cache length) and saves it for later processes
+    (``step_cache``); without this call ``generate()`` compiles it in the background instead."""
     from transformers.generation.configuration_utils import CompileConfig
 
     config = CompileConfig(fullgraph=True, dynamic=False)

@@ -53,10 +53,12 @@ LEGACY_WEIGHTS, LEGACY_SHARD_INDEX = "model.safetensors", "model.safetensors.ind
 AUTO_MAP = {"AutoConfig": "modeling_wscompress.WSCompressConfig",
             "AutoModelForCausalLM": "modeling_wscompress.WSCompressForCausalLM"}
 
-# Fast paths, filled by wscompress.kernels when wscompress is imported: "palettized" (look-up-table
-# product), "low_rank" (fused decode), "half" and "int8" (NarrowLinear's decode products). Each returns None where it does not apply, and the layer
-# then runs its torch reference path, as it always does where nothing is registered.
-KERNELS: dict[str, Callable[..., torch.Tensor | None]] = {}
+# Fast paths, filled by wscompress when it is imported: "palettized" (look-up-table product),
+# "low_rank" (fused decode), "half" and "int8" (NarrowLinear's decode products); each returns None
+# where it does not apply, and the layer then runs its torch reference path, as it always does
+# where nothing is registered. "generate" and "decode_step" (wscompress.evaluation.step_cache):
+# generate()'s arguments and its decode call on CPU, a compiled step kept across processes.
+KERNELS: dict[str, Callable[..., Any]] = {}
 DECODE_ROWS = 8  # inputs with at most this many rows (decoding) go to the kernels; longer ones the BLAS
 NARROW_SLICE_BYTES = 8 << 20  # a NarrowLinear's torch path on CPU converts this much of its weight at a time
 INT8_BLOCK = 32  # an Int8Linear's weights per scale (llama.cpp's Q8_0 block)
@@ -1590,6 +1592,19 @@ class WSCompressForCausalLM(PreTrainedModel, GenerationMixin):
                           f"section ({wrong})")
         settle(model, model.config.dtype)
         return (model, info) if with_info else model
+
+    def generate(self, *args, **kwargs):
+        """transformers' ``generate``; with wscompress installed, decoding on CPU goes through a
+        compiled step kept across processes where it qualifies (``KERNELS["generate"]``)."""
+        prepare = KERNELS.get("generate")
+        return super().generate(*args, **(kwargs if prepare is None else prepare(self, args, kwargs)))
+
+    def get_compiled_call(self, compile_config):
+        """What ``generate`` calls each decoded token when it compiles: wscompress's cached step on
+        CPU (``KERNELS["decode_step"]``), transformers' ``torch.compile`` elsewhere."""
+        step = KERNELS.get("decode_step")
+        call = None if step is None else step(self, compile_config)
+        return super().get_compiled_call(compile_config) if call is None else call
 
     def save_pretrained(self, save_directory, *args, **kwargs) -> None:
         """transformers' save, with the structure described as it is now, the weights as this
