@@ -154,7 +154,38 @@ def test_a_step_is_remembered_for_the_same_modules_only(tmp_path, tokenizer, mon
     model = tiny_model("llama", layers=1)
     call = {"input_ids": torch.zeros(1, 1, dtype=torch.long), "use_cache": True}
     monkeypatch.setitem(step_cache._memo, model, (step_cache._modules(model), {step_cache._signature(call): len}))
-    assert step_cache._remembered(model, call) is len
+    assert step_cache._remembered(model, call).func is len
     assert step_cache._remembered(model, {**call, "use_cache": False}) is None
     model.lm_head = torch.nn.Linear(model.lm_head.in_features, model.lm_head.out_features, bias=False)
     assert step_cache._remembered(model, call) is None
+
+
+def test_a_remembered_step_does_not_keep_its_model_alive(tmp_path, tokenizer, monkeypatch, one_thread):
+    """The memo is weak on models: a model that decoded through a step is freed with its last reference."""
+    import gc
+    import weakref
+
+    monkeypatch.setenv("WSCOMPRESS_COMPILE", "1")
+    model, _ = load(str(folder_of(tmp_path, tokenizer)), device="cpu")
+    generate(model, torch.zeros(1, 3, dtype=torch.long), 3)
+    assert model in step_cache._memo
+    gone = weakref.ref(model)
+    del model
+    gc.collect()
+    assert gone() is None
+
+
+def test_a_step_that_does_not_compile_leaves_generate_eager(monkeypatch, one_thread):
+    """WSCOMPRESS_COMPILE=1 on a model the compiler cannot take: a warning naming the error, the eager tokens."""
+    model = tiny_model("llama", layers=1)
+    compress(model, [KMEANS])
+    prompt = torch.randint(0, 512, (1, 4), generator=torch.Generator().manual_seed(4))
+    expected = generate(model, prompt, 4)
+
+    def fails(*args):
+        raise RuntimeError("no such lowering")
+
+    monkeypatch.setattr(step_cache, "compile_step", fails)
+    monkeypatch.setenv("WSCOMPRESS_COMPILE", "1")
+    with pytest.warns(UserWarning, match="no such lowering"):
+        assert torch.equal(generate(model, prompt, 4), expected)

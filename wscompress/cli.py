@@ -205,6 +205,10 @@ def precompile(model: str = typer.Argument(..., help="Compressed checkpoint fold
         from .evaluation.step_cache import precompile as run
 
         keys, seconds = run(model, batch, max_length, threads or None, dtype)
+        if not keys:
+            typer.echo(f"error: the decode step of {model} did not compile (the warning above says why); "
+                       "generate() decodes it eagerly", err=True)
+            raise typer.Exit(1)
         if key is not None and key not in keys:
             raise UsageError(f"precompile: the step compiled from {model} is not the one asked for ({key}): the "
                              "asking process's model differs from the folder's", "nothing to do: it decodes eagerly")

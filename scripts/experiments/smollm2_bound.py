@@ -2,9 +2,9 @@
 thread, in one run (docs/runtime.md). Per decoded token: llama.cpp's Q4_0 (the GGUF
 peers_llamacpp.py makes from SmolLM2's source), the folder's plain ``generate()`` (no opt-in:
 through the decode step compiled once for this machine, ``wscompress precompile``, which this
-script runs first; and with ``WSCOMPRESS_COMPILE=0``, transformers' eager decoding), its
-static-cache step eager and compiled, and its products alone (every compressed linear and the
-head called once on a random input, nothing else: what no loop around them can go below). Also
+script runs first; and with ``WSCOMPRESS_COMPILE=0``, transformers' eager decoding) and its
+products alone (every compressed linear and the head called once on a random input, nothing
+else: what no loop around them can go below). Also
 the seconds a new process's first ``generate()`` takes beyond a later one's (loading the step).
 
 Usage: python scripts/experiments/smollm2_bound.py FOLDER [--rounds 3]
@@ -24,7 +24,6 @@ from peers_llamacpp import DECODE, PREFILL, PROMPT, llama_cpp, node_runner, quan
 
 import wscompress  # noqa: E402
 from wscompress.evaluation import step_cache  # noqa: E402
-from wscompress.evaluation.decode import StaticDecoder  # noqa: E402
 from wscompress.io.checkpoints import builtin_dir  # noqa: E402
 
 ap = argparse.ArgumentParser()
@@ -59,44 +58,34 @@ model.eval()
 linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not model.get_output_embeddings()]
 inputs = [torch.randn(1, 1, m.in_features) for m in linears]
 head, hidden = model.get_output_embeddings(), torch.randn(1, 1, model.config.hidden_size)
-eager, compiled = StaticDecoder(model, prompt, DECODE), StaticDecoder(model, prompt, DECODE, compile=True)
 
 
-def best(f, per: int, setup=lambda: None) -> float:
-    """Best of the rounds, ms per ``per`` units, after one warm-up (``setup`` before each, untimed)."""
-    times = []
-    for _ in range(args.rounds + 1):
-        setup()
-        start = time.perf_counter()
-        f()
-        times.append((time.perf_counter() - start) / per * 1e3)
-    return min(times[1:])
-
-
-def steps(decoder: StaticDecoder) -> None:
-    for _ in range(DECODE):
-        decoder.step()
-
-
-def plain_generate(compile: str) -> float:
-    """ms a decoded token of plain generate(), WSCOMPRESS_COMPILE as given."""
+def generate(compile: str, n: int) -> None:
     os.environ["WSCOMPRESS_COMPILE"] = compile
-    times = {n: best(lambda n=n: model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False), 1)
-             for n in (1, 1 + DECODE)}
-    return (times[1 + DECODE] - times[1]) / DECODE
+    model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False)
 
 
+RUNS = {  # name -> (what to time, what per decoded token is, from the times by name)
+    "default 1": lambda: generate("auto", 1), f"default {1 + DECODE}": lambda: generate("auto", 1 + DECODE),
+    "eager 1": lambda: generate("0", 1), f"eager {1 + DECODE}": lambda: generate("0", 1 + DECODE),
+    "products": lambda: [m(x) for m, x in zip(linears, inputs)] + [head(hidden)],
+}
+times: dict[str, list[float]] = {name: [] for name in RUNS}
 with torch.no_grad():
-    ms["wscompress plain generate(), the compiled step (default)"] = plain_generate("auto")
-    ms["wscompress plain generate(), WSCOMPRESS_COMPILE=0 (transformers' eager)"] = plain_generate("0")
-    ms["wscompress static-cache step, eager"] = best(lambda: steps(eager), DECODE, eager.reset)
-    ms["wscompress static-cache step, compiled"] = best(lambda: steps(compiled), DECODE, compiled.reset)
-    ms[f"wscompress products alone ({len(linears)} linears + head)"] = best(
-        lambda: [m(x) for m, x in zip(linears, inputs)] + [head(hidden)], 1)
+    for _ in range(args.rounds + 1):  # interleaved: this machine's slow spells reach every row alike
+        for name, run in RUNS.items():
+            start = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - start)
+t = {name: min(v[1:]) * 1e3 for name, v in times.items()}  # the first round warms up
+ms["wscompress plain generate(), the compiled step (default)"] = (t[f"default {1 + DECODE}"] - t["default 1"]) / DECODE
+ms["wscompress plain generate(), WSCOMPRESS_COMPILE=0 (transformers' eager)"] = (
+    t[f"eager {1 + DECODE}"] - t["eager 1"]) / DECODE
+ms[f"wscompress products alone ({len(linears)} linears + head)"] = t["products"]
 base = ms["llama.cpp Q4_0, whole token"]
-print(f"SmolLM2-135M, {args.folder}, one thread, best of {args.rounds}; CPU: {cpu_line()}\n")
+print(f"SmolLM2-135M, {args.folder}, one thread, best of {args.rounds} interleaved rounds; CPU: {cpu_line()}\n")
 print("| per decoded token | ms | x llama.cpp Q4_0 (speed) |\n|---|---|---|")
 for k, v in ms.items():
     print(f"| {k} | {v:.1f} | {base / v:.2f} |")
-print(f"\nThe step compiled in {compile_seconds:.0f} s (once per machine); a new process's first generate() "
+print(f"\nThe step was ready in {compile_seconds:.0f} s (compiled once per machine, or loaded); a new process's first generate() "
       f"took {first:.1f} s more than its later ones.")

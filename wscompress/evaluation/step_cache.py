@@ -262,20 +262,24 @@ class CachedStep:
         key = step_key(self.model, kwargs)
         step = _loaded.get(key) or load_step(key)
         if step is None and self.compile_now:
-            step = compile_step(self.model, kwargs, key)
+            try:
+                step = compile_step(self.model, kwargs, key)
+            except Exception as err:  # noqa: BLE001 - an architecture the compiler cannot take decodes eagerly, as before
+                warnings.warn(f"wscompress: compiling the decode step failed ({type(err).__name__}: "
+                              f"{str(err).splitlines()[0] if str(err) else ''}); decoding eagerly", stacklevel=3)
         elif step is None and policy() == "auto":
             start_background(self.model, kwargs, key)
         if step is None:
             return self.model
         _loaded[key] = step
-        call = partial(_output, type(out), names, partial(step, self.model))
+        call = partial(_output, type(out), names, step)  # not holding the model: the memo's values must not keep its key alive
         modules, calls = _memo.setdefault(self.model, (_modules(self.model), {}))
         if modules == _modules(self.model):
             calls[_signature(kwargs)] = call
-        return call
+        return partial(call, self.model)
 
 
-_memo: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (its modules, {call: step})
+_memo: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (its modules, {call: step(model, **kwargs)})
 
 
 def _modules(model: nn.Module) -> tuple[int, ...]:
@@ -292,11 +296,12 @@ def _remembered(model: nn.Module, kwargs: dict) -> Callable | None:
     """The step this model took for such a call before in this process, while its modules are the
     same ones: no eager step and no key (20 ms on SmolLM2) at each ``generate``."""
     modules, calls = _memo.get(model, (None, {}))
-    return calls.get(_signature(kwargs)) if modules == _modules(model) else None
+    call = calls.get(_signature(kwargs)) if modules == _modules(model) else None
+    return None if call is None else partial(call, model)
 
 
-def _output(kind: type, names: dict[str, str], step: Callable, **kwargs):
-    return kind(logits=step(**kwargs), **{field: kwargs[name] for field, name in names.items()})
+def _output(kind: type, names: dict[str, str], step: Callable, model: nn.Module, **kwargs):
+    return kind(logits=step(model, **kwargs), **{field: kwargs[name] for field, name in names.items()})
 
 
 def auto_compile_config():
