@@ -4,9 +4,6 @@ eagerly while a background process compiles, keys that tell models and calls apa
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
 
 import pytest
@@ -90,8 +87,8 @@ def test_a_step_that_does_not_load_is_removed_and_decoding_goes_on(tmp_path, tok
 
 def test_keys_tell_structures_and_calls_apart_not_values(tmp_path, tokenizer, monkeypatch, one_thread):
     """Two folders of the same structure share a step; another outlier count (other kernel
-    layout shapes), another cache length or thread count does not. A key is the same in every
-    process (no addresses in it)."""
+    layout shapes), another cache length or thread count does not. (That a key is the same in
+    another process, the background test shows.)"""
     monkeypatch.setenv("WSCOMPRESS_COMPILE", "auto")
     a, b = (load(str(folder_of(tmp_path, tokenizer, seed=s)), device="cpu")[0] for s in (0, 1))
     other = load(str(folder_of(tmp_path, tokenizer, outliers=0.03)), device="cpu")[0]
@@ -113,14 +110,6 @@ def test_keys_tell_structures_and_calls_apart_not_values(tmp_path, tokenizer, mo
         assert step_cache.step_key(a, call(8)) != key
     finally:
         torch.set_num_threads(threads)
-    script = ("import torch, sys; torch.set_num_threads(1); from wscompress import load; "
-              "from wscompress.evaluation import step_cache as s; m = load(sys.argv[1], device='cpu')[0]; "
-              "p = torch.randint(0, 512, (1, 5), generator=torch.Generator().manual_seed(3)); "
-              "m.generate(p, max_new_tokens=1, do_sample=False); kw = s.prepare_generate(m, (p,), {'max_new_tokens': 8}); "
-              "c = kw.get('cache', kw.get('past_key_values')); print(s.step_key(m, {'input_ids': p[:, :1], 'cache': c}))")
-    out = subprocess.run([sys.executable, "-c", script, str(tmp_path / "model-0-0.01")], capture_output=True,
-                         text=True, check=True, env={**os.environ, "WSCOMPRESS_COMPILE": "auto"})
-    assert out.stdout.split()[-1] == key
 
 
 def test_generate_keeps_its_own_way_where_a_step_does_not_apply(tmp_path, tokenizer, monkeypatch):
@@ -141,11 +130,14 @@ def test_generate_keeps_its_own_way_where_a_step_does_not_apply(tmp_path, tokeni
 
 def test_precompile_refuses_what_is_not_a_compressed_folder(tmp_path, tiny_dir):
     """`wscompress precompile` on a missing folder or an uncompressed one: one message, exit 2."""
+    from typer.testing import CliRunner
+
+    from wscompress.cli import app
+
     for path in (tmp_path / "missing", tiny_dir()):
-        out = subprocess.run([sys.executable, "-m", "wscompress.cli", "precompile", str(path)], capture_output=True,
-                             text=True)
-        assert out.returncode == 2, out.stderr
-        assert "precompile:" in out.stderr and "fix:" in out.stderr
+        out = CliRunner().invoke(app, ["precompile", str(path)])
+        assert out.exit_code == 2, out.output
+        assert "precompile:" in out.output and "fix:" in out.output
 
 
 def test_a_step_is_remembered_for_the_same_modules_only(tmp_path, tokenizer, monkeypatch):
@@ -160,13 +152,16 @@ def test_a_step_is_remembered_for_the_same_modules_only(tmp_path, tokenizer, mon
     assert step_cache._remembered(model, call) is None
 
 
-def test_a_remembered_step_does_not_keep_its_model_alive(tmp_path, tokenizer, monkeypatch, one_thread):
+def test_a_remembered_step_does_not_keep_its_model_alive(monkeypatch, one_thread):
     """The memo is weak on models: a model that decoded through a step is freed with its last reference."""
     import gc
     import weakref
 
     monkeypatch.setenv("WSCOMPRESS_COMPILE", "1")
-    model, _ = load(str(folder_of(tmp_path, tokenizer)), device="cpu")
+    monkeypatch.setattr(step_cache, "_loaded", {})  # this fake step serves no other test
+    monkeypatch.setattr(step_cache, "compile_step", lambda model, kwargs, key: lambda m, **kw: m(**kw).logits)
+    model = tiny_model("llama", layers=1)
+    compress(model, [KMEANS])
     generate(model, torch.zeros(1, 3, dtype=torch.long), 3)
     assert model in step_cache._memo
     gone = weakref.ref(model)
@@ -186,6 +181,7 @@ def test_a_step_that_does_not_compile_leaves_generate_eager(monkeypatch, one_thr
         raise RuntimeError("no such lowering")
 
     monkeypatch.setattr(step_cache, "compile_step", fails)
+    monkeypatch.setattr(step_cache, "_loaded", {})
     monkeypatch.setenv("WSCOMPRESS_COMPILE", "1")
     with pytest.warns(UserWarning, match="no such lowering"):
         assert torch.equal(generate(model, prompt, 4), expected)
