@@ -67,7 +67,7 @@ def generate_eager(model, prompt, new, monkeypatch):
 
 def test_a_step_that_does_not_load_is_removed_and_decoding_goes_on(tmp_path, tokenizer, monkeypatch, one_thread):
     """A damaged step file (a torch upgraded in place, a disk error) is a miss: a warning, the file
-    removed, the eager tokens; nothing compiles for a model compressed in memory."""
+    and its log removed, the eager tokens; nothing compiles for a model compressed in memory."""
     monkeypatch.setenv("WSCOMPRESS_STEP_CACHE", str(tmp_path))
     model = tiny_model("llama", layers=2)
     compress(model, [KMEANS])
@@ -79,9 +79,11 @@ def test_a_step_that_does_not_load_is_removed_and_decoding_goes_on(tmp_path, tok
     monkeypatch.setattr(step_cache, "step_key", lambda *a: keys.append(real_key(*a)) or keys[-1])
     generate(model, prompt)
     (tmp_path / f"{keys[-1]}.step").write_bytes(b"not a step")
+    (tmp_path / f"{keys[-1]}.log").write_text("compiled by an older torch\n")
     with pytest.warns(UserWarning, match="does not load"):
         assert torch.equal(generate(model, prompt), expected)
     assert not (tmp_path / f"{keys[-1]}.step").exists()
+    assert not (tmp_path / f"{keys[-1]}.log").exists()  # a later generate() may compile it again
     assert not list(tmp_path.glob("*.log"))  # no folder describes this model: nothing to compile from
 
 

@@ -43,6 +43,7 @@ import weakref
 from functools import cache, partial
 from pathlib import Path
 from typing import Any, Callable
+from unittest.mock import patch
 
 import torch
 from torch import nn
@@ -161,16 +162,12 @@ def compile_step(model: nn.Module, kwargs: dict, key: str) -> Callable:
     step = torch.compile(_forward, fullgraph=True, dynamic=False,
                          options={"guard_filter_fn": lambda entries: [False] * len(entries),
                                   "size_asserts": False, "alignment_asserts": False})
-    gqa = os.environ.get(FORCE_GQA)
     # attention takes grouped K/V as they are: with a mask, transformers repeats them for every
     # query head first, a copy of the whole static cache per layer and token (a fifth of a
     # SmolLM2 step at 256 positions). torch's CPU attention takes the groups itself; a CUDA one
     # would fall back to its slow path, but steps here are for CPU only
-    os.environ[FORCE_GQA] = "1"
-    try:
+    with patch.dict(os.environ, {FORCE_GQA: "1"}):
         compiled = step.aot_compile(((model,), kwargs))
-    finally:
-        os.environ.pop(FORCE_GQA) if gqa is None else os.environ.__setitem__(FORCE_GQA, gqa)
     folder().mkdir(parents=True, exist_ok=True, mode=0o700)
     compiled.save_compiled_function(str(folder() / f"{key}.step"))
     return compiled
@@ -178,7 +175,7 @@ def compile_step(model: nn.Module, kwargs: dict, key: str) -> Callable:
 
 def load_step(key: str) -> Callable | None:
     """The saved step of this key, or None where there is none (or it no longer loads: a torch
-    upgraded in place; the file is removed and the step compiled again)."""
+    upgraded in place; the file and its log are removed, so the step is compiled again)."""
     path = folder() / f"{key}.step"
     if not path.exists():
         return None
@@ -189,6 +186,7 @@ def load_step(key: str) -> Callable | None:
         warnings.warn(f"wscompress: the compiled decode step {path} does not load ({type(err).__name__}: {err}); "
                       "removed, decoding eagerly", stacklevel=3)
         path.unlink(missing_ok=True)
+        path.with_suffix(".log").unlink(missing_ok=True)
         return None
 
 
@@ -386,16 +384,9 @@ def precompile(folder_path: str | os.PathLike, batch: int = 1, max_length: int =
     prompt = torch.randint(0, model.config.vocab_size, (batch, 4), generator=torch.Generator().manual_seed(0))
     config = auto_compile_config()
     config._wscompress_auto = False  # compile here
-    asked = os.environ.get("WSCOMPRESS_COMPILE")
-    os.environ["WSCOMPRESS_COMPILE"] = "1"  # whatever the environment says: compiling is what was asked for
-    try:
-        with torch.no_grad():  # three tokens: the prompt's, an eager step, the compiled one
-            model.generate(prompt, max_new_tokens=3, min_new_tokens=3, do_sample=False, compile_config=config,
-                           **{cache_argument(model): StaticCache(config=model.config,
-                                                                 max_cache_len=cache_length_for(max_length))})
-    finally:
-        if asked is None:
-            os.environ.pop("WSCOMPRESS_COMPILE")
-        else:
-            os.environ["WSCOMPRESS_COMPILE"] = asked
+    # whatever the environment says, compiling is what was asked for
+    with patch.dict(os.environ, {"WSCOMPRESS_COMPILE": "1"}), torch.no_grad():
+        # three tokens: the prompt's, an eager step, the compiled one
+        model.generate(prompt, max_new_tokens=3, min_new_tokens=3, do_sample=False, compile_config=config,
+                       **{cache_argument(model): StaticCache(config=model.config, max_cache_len=cache_length_for(max_length))})
     return sorted(set(_loaded) - before), time.perf_counter() - start
