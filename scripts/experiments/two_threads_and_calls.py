@@ -19,19 +19,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_runtime import MODELS, random_layout, random_palettized  # noqa: E402
+from bench_runtime import MODELS, best_seconds, random_layout, random_palettized  # noqa: E402
+
+CPU = torch.device("cpu")
 
 LAYOUT = "configs/kmeans_4bit.yaml layout + int8 tied embedding/head"
-
-
-def best(f, runs: int = 5) -> float:
-    f()
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        f()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def step_ms() -> float:
@@ -73,7 +65,7 @@ else:
     print("| threads | read of 1 GiB, GB/s |\n|---|---|")
     for threads in (1, 2):
         torch.set_num_threads(threads)
-        print(f"| {threads} | {4 * a.numel() / min(best(a.sum, 2), best(b.sum, 2)) / 1e9:.1f} |", flush=True)
+        print(f"| {threads} | {4 * a.numel() / min(best_seconds(a.sum, CPU, 3), best_seconds(b.sum, CPU, 3)) / 1e9:.1f} |", flush=True)
     from wscompress import kernels
 
     kernels.lut()
@@ -84,6 +76,6 @@ else:
         plan = layer.kernel_layout()
         args = (x.reshape(1, -1), plan.indices, *plan.rounded, plan.width, layer.group_size, layer.out_features,
                 *plan.outliers, layer.scale)
-        op = best(lambda: [torch.ops.wscompress.lut_linear_q8(*args) for _ in range(1000)]) / 1000
-        module = best(lambda: [layer(x) for _ in range(1000)]) / 1000
+        op = best_seconds(lambda: [torch.ops.wscompress.lut_linear_q8(*args) for _ in range(1000)], CPU, 6) / 1000
+        module = best_seconds(lambda: [layer(x) for _ in range(1000)], CPU, 6) / 1000
     print(f"\n576 x 576, one thread: operator {op * 1e6:.1f} µs, module {module * 1e6:.1f} µs a call")

@@ -46,13 +46,19 @@ def compile_decode(model: nn.Module) -> nn.Module:
     a compressed model's first call compiles its step in this process (about a minute for a
     135M model on 2 cores; again for each new cache length) and saves it for later processes
     (``step_cache``); without this call ``generate()`` compiles it in the background instead."""
+    model.generation_config.cache_implementation = "static"
+    model.generation_config.compile_config = compile_config()
+    return model
+
+
+def compile_config():
+    """transformers' compile config for ``generate``'s decode step on a static cache, on any
+    device (transformers otherwise compiles only on GPUs)."""
     from transformers.generation.configuration_utils import CompileConfig
 
     config = CompileConfig(fullgraph=True, dynamic=False)
     config._compile_all_devices = True  # transformers' switch for compiling off GPUs
-    model.generation_config.cache_implementation = "static"
-    model.generation_config.compile_config = config
-    return model
+    return config
 
 
 def step_guards(entries: Sequence) -> list[bool]:

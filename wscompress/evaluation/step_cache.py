@@ -50,7 +50,7 @@ from torch import nn
 
 from ..io.files import cache_dir
 from ..model import modeling_wscompress
-from .decode import cache_argument
+from .decode import cache_argument, compile_config
 
 CACHE_BLOCK = 256  # static caches are a multiple of this long: prompts of other lengths reuse a step
 MAX_CACHE = 4096  # longer generations keep transformers' dynamic cache (a static one allocates the whole length)
@@ -87,7 +87,7 @@ def _held(value: Any, depth: int = 0) -> list:
     if isinstance(value, torch.Tensor):
         return [_tensor(value)]
     if isinstance(value, (tuple, list)) and depth < 3:
-        return [_held(v, depth + 1) for v in value]
+        return [held for v in value if (held := _held(v, depth + 1))]
     return []
 
 
@@ -271,9 +271,10 @@ class CachedStep:
             return self.model
         _loaded[key] = step
         call = partial(_output, type(out), names, step)  # not holding the model: the memo's values must not keep its key alive
-        modules, calls = _memo.setdefault(self.model, (_modules(self.model), {}))
-        if modules == _modules(self.model):
-            calls[_signature(kwargs)] = call
+        modules, calls = _memo.get(self.model, (None, {}))
+        if modules != (current := _modules(self.model)):  # first, or its modules swapped since: remember anew
+            modules, calls = _memo[self.model] = current, {}
+        calls[_signature(kwargs)] = call
         return partial(call, self.model)
 
 
@@ -305,10 +306,7 @@ def _output(kind: type, names: dict[str, str], step: Callable, model: nn.Module,
 def auto_compile_config():
     """The compile config ``prepare_generate`` passes: transformers then asks the model for a
     compiled call (``decode_step``) on CPU too. Marked as automatic: a miss compiles in the background."""
-    from transformers.generation.configuration_utils import CompileConfig
-
-    config = CompileConfig(fullgraph=True, dynamic=False)
-    config._compile_all_devices = True  # transformers' switch for compiling off GPUs
+    config = compile_config()
     config._wscompress_auto = True
     return config
 
@@ -382,8 +380,7 @@ def precompile(folder_path: str | os.PathLike, batch: int = 1, max_length: int =
     model.eval()
     start, before = time.perf_counter(), set(_loaded)
     prompt = torch.randint(0, model.config.vocab_size, (batch, 4), generator=torch.Generator().manual_seed(0))
-    config = auto_compile_config()
-    config._wscompress_auto = False  # compile here
+    config = compile_config()  # not the automatic one: compile here
     # whatever the environment says, compiling is what was asked for
     with patch.dict(os.environ, {"WSCOMPRESS_COMPILE": "1"}), torch.no_grad():
         # three tokens: the prompt's, an eager step, the compiled one
