@@ -157,14 +157,14 @@ def _forward(model: nn.Module, **kwargs) -> torch.Tensor:
 def compile_step(model: nn.Module, kwargs: dict, key: str) -> Callable:
     """Compile the step for ``kwargs``' shapes, save it as ``<key>.step`` (whole or not at all)
     and return it. Guards are dropped: the key says what the step holds for."""
-    # no size and alignment checks on the step's inputs either: the key fixed them, and the checks
-    # of its ~1 600 tensors (parameters, layouts) cost about a millisecond a token on SmolLM2
+    # no size and alignment checks on the step's inputs either: the key fixed them, and each call
+    # would check every one of its tensors (parameters, layouts: ~1 600 on SmolLM2)
     step = torch.compile(_forward, fullgraph=True, dynamic=False,
                          options={"guard_filter_fn": lambda entries: [False] * len(entries),
                                   "size_asserts": False, "alignment_asserts": False})
     # attention takes grouped K/V as they are: with a mask, transformers repeats them for every
-    # query head first, a copy of the whole static cache per layer and token (a fifth of a
-    # SmolLM2 step at 256 positions). torch's CPU attention takes the groups itself; a CUDA one
+    # query head first, a copy of the whole static cache per layer and token. torch's CPU
+    # attention takes the groups itself; a CUDA one
     # would fall back to its slow path, but steps here are for CPU only
     with patch.dict(os.environ, {FORCE_GQA: "1"}):
         compiled = step.aot_compile(((model,), kwargs))
