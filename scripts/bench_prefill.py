@@ -1,7 +1,9 @@
 """Prefill's products of palettized layers, in one process: float32 (``WSCOMPRESS_INT8_PREFILL=0``:
-the weight decoded to float32, the BLAS), 8-bit integers in every layer (``=1``: ``torch._int_mm``
-on the rounded tables' hi and lo planes) and the default (unset: integers in layers of
-``kernels.INT8_PREFILL_WEIGHTS`` weights or more, where the build decodes them vectorised).
+the weight decoded to float32, the BLAS), integers in every layer (``=1``: ``lut_linear_i8``, one
+16-bit product a weight for 12-bit tables where the build has AVX-512 VNNI, else three 8-bit
+ones through ``torch._int_mm``) and the default (unset: integers in layers of
+``kernels.INT16_PREFILL_WEIGHTS`` weights or more, 4-d vectors' from
+``kernels.INT8_PREFILL_WEIGHTS``, where the build decodes them vectorised).
 
 For each model shape (a decoder layer's q, k/v, o, gate/up and down projections, as many times
 as the model has layers; k/v and gate/up counted twice) and each shipped recipe's layout (random
@@ -34,7 +36,7 @@ def projections(hidden: int, ffn: int, kv: int) -> list[tuple[int, int]]:
     return [(hidden, hidden), (kv, hidden), (kv, hidden), (hidden, hidden), (ffn, hidden), (ffn, hidden), (hidden, ffn)]
 
 
-PATHS = {"float32": "0", "int8": "1", "default": None}  # WSCOMPRESS_INT8_PREFILL for each
+PATHS = {"float32": "0", "integer": "1", "default": None}  # WSCOMPRESS_INT8_PREFILL for each
 
 
 @torch.no_grad()
@@ -80,7 +82,7 @@ def main() -> None:
                         best[path] = min(best[path], seconds(layers, inputs, repeat, path))
                 row = {"shape": shape, "layout": recipe, "threads": threads,
                        **{f"{path} tok/s": round(args.tokens / best[path], 1) for path in PATHS},
-                       **{f"{path} x float32": round(best["float32"] / best[path], 2) for path in ("int8", "default")}}
+                       **{f"{path} x float32": round(best["float32"] / best[path], 2) for path in ("integer", "default")}}
                 rows.append(row)
                 print(row, flush=True)
     os.environ.pop("WSCOMPRESS_INT8_PREFILL", None)

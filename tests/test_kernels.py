@@ -3,6 +3,7 @@ as the reference path (materialise the weight, then F.linear)."""
 
 from __future__ import annotations
 
+import math
 import shutil
 
 import pytest
@@ -260,15 +261,23 @@ def test_decoding_on_8_bit_activations_computes_its_rounding(d, bits, group_size
 
 def integer_reference(lin: PalettizedLinear, x: torch.Tensor) -> torch.Tensor:
     """What prefill's integer product computes, spelled out in float64: the weight the byte
-    products multiply (``rounded_weights``), each activation row split into two 8-bit parts
-    (x ≈ s·a + s/254·b), their products but b·lo, the weights kept aside corrected exactly, the
-    row scales after."""
+    products multiply (``rounded_weights``) times each activation row in integers, the weights
+    kept aside corrected exactly, the row scales after. Where the build has 16-bit products
+    (AVX-512 VNNI, as ``lut_q8(8)`` tells) and the tables 12 bits, the row is rounded to 14 bits
+    (x ≈ s·q, s = its largest magnitude / 8191, in float32 as the kernel rounds it) and
+    multiplied whole; else it is split into two 8-bit parts (x ≈ s·a + s/254·b) and every
+    product but b·lo is made."""
     full, hi = (w.double() for w in rounded_weights(lin))
-    x = x.double()
-    s = x.abs().amax(1, keepdim=True).clamp_min(1e-300) / 127
-    a = (x / s).round()
-    b = (x / s - a).mul(254).round()
-    y = a * s @ full.T + b * s / 254 @ hi.T + outlier_products(lin, x)
+    amax = x.abs().amax(1, keepdim=True)
+    if torch.ops.wscompress.lut_q8(8) and lin.cluster_dim != 4:
+        inv = torch.where(amax > 0, 8191 / amax, 0)  # float32, as the kernel computes it
+        y = (x * inv).round().double() * (amax.double() / 8191) @ full.T
+    else:
+        s = amax.double().clamp_min(1e-300) / 127
+        a = (x.double() / s).round()
+        b = (x.double() / s - a).mul(254).round()
+        y = a * s @ full.T + b * s / 254 @ hi.T
+    y = y + outlier_products(lin, x.double())
     return y * lin.scale.double() if lin.scaled else y
 
 
@@ -277,14 +286,16 @@ def integer_reference(lin: PalettizedLinear, x: torch.Tensor) -> torch.Tensor:
                                                                    (2, 8, 48, 0, False), (2, 6, 6, 9, True),
                                                                    (2, 8, 16, 4, True), (4, 8, 16, 3, False),
                                                                    (1, 8, 16, 2, False)])
-def test_prefill_multiplies_8_bit_integers(d, bits, group_size, outliers, scaled, monkeypatch):
-    """With WSCOMPRESS_INT8_PREFILL=1, prefill (more than DECODE_ROWS rows) multiplies 8-bit
-    integers (torch._int_mm) on the weight decoding multiplies: exactly the rounding
-    ``integer_reference`` spells out, to float summation order; within 0.1 % of the float
-    product; with 0, the float product."""
-    lin = layer(bits, group_size, out=48, inp=96, outliers=outliers, d=d, scaled=scaled)
+@pytest.mark.parametrize("rows, out, inp", [(DECODE_ROWS + 5, 48, 96), (77, 52, 320)])
+def test_prefill_multiplies_integers(d, bits, group_size, outliers, scaled, rows, out, inp, monkeypatch):
+    """With WSCOMPRESS_INT8_PREFILL=1, prefill (more than DECODE_ROWS rows) multiplies integers
+    on the weight decoding multiplies: exactly the rounding ``integer_reference`` spells out, to
+    float summation order; within 0.1 % of the float product; with 0, the float product. The
+    second shape leaves partial tiles of input and weight rows (its groups: a divisor of 52) and
+    sums over several spans of inputs."""
+    lin = layer(bits, math.gcd(group_size, out), out=out, inp=inp, outliers=outliers, d=d, scaled=scaled)
     monkeypatch.setenv("WSCOMPRESS_INT8_PREFILL", "1")
-    x = torch.randn(DECODE_ROWS + 5, 96, generator=torch.Generator().manual_seed(bits * group_size + d))  # not the order tests ran in
+    x = torch.randn(rows, inp, generator=torch.Generator().manual_seed(bits * group_size + d))  # not the order tests ran in
     x[0] = 0  # a row of zeros stays zeros (no division by its scale)
     with torch.no_grad():
         y = lin(x) - lin.bias
@@ -293,7 +304,7 @@ def test_prefill_multiplies_8_bit_integers(d, bits, group_size, outliers, scaled
         exact = F.linear(x, lin.dense_weight())
         assert 1e-6 < (y - exact).norm() / exact.norm() < 1e-3
         monkeypatch.setenv("WSCOMPRESS_INT8_PREFILL", "0")
-        torch.testing.assert_close(lin(x) - lin.bias, exact, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lin(x) - lin.bias, exact, rtol=1e-5, atol=1e-5 * inp / 96)  # float sums of inp terms
 
 
 @pytest.mark.skipif(kernels.lut() is None, reason="kernels not built here")
@@ -312,17 +323,20 @@ def test_the_integer_weight_is_the_one_decoding_multiplies(d, bits, inp):
 
 
 def test_integer_prefill_by_default_where_it_pays(monkeypatch):
-    """Unset, WSCOMPRESS_INT8_PREFILL leaves the choice to the layer's size: integers from
-    INT8_PREFILL_WEIGHTS weights on, where the build decodes their weight vectorised; never for
+    """Unset, WSCOMPRESS_INT8_PREFILL leaves the choice to the layout and the layer's size, where
+    the build decodes the weight vectorised and multiplies 16-bit integers: 12-bit tables from
+    INT16_PREFILL_WEIGHTS weights on, 4-d vectors' 16-bit ones from INT8_PREFILL_WEIGHTS; never
     nibble vectors, which have no rounded tables' decode."""
     monkeypatch.delenv("WSCOMPRESS_INT8_PREFILL", raising=False)
-    pairs, nibble_pairs = torch.zeros(1, 256, 2), torch.zeros(1, 16, 2)
-    big = kernels.INT8_PREFILL_WEIGHTS
-    assert kernels.integer_prefill(8, pairs, big // 1024, 1024) == kernels.q8(8)
-    assert not kernels.integer_prefill(8, pairs, big // 1024 - 1, 1024)
+    pairs, vectors, nibble_pairs = torch.zeros(1, 256, 2), torch.zeros(1, 256, 4), torch.zeros(1, 16, 2)
+    big, small = kernels.INT8_PREFILL_WEIGHTS, kernels.INT16_PREFILL_WEIGHTS
+    assert kernels.integer_prefill(8, pairs, small // 512, 512) == kernels.q8(8)
+    assert not kernels.integer_prefill(8, pairs, small // 512 - 1, 512)
+    assert kernels.integer_prefill(8, vectors, big // 1024, 1024) == kernels.q8(8)
+    assert not kernels.integer_prefill(8, vectors, small // 512, 512)
     assert not kernels.integer_prefill(4, nibble_pairs, big, 1024)
     monkeypatch.setenv("WSCOMPRESS_INT8_PREFILL", "1")
-    assert kernels.integer_prefill(8, pairs, 48, 96) and not kernels.integer_prefill(4, nibble_pairs, 48, 96)
+    assert kernels.integer_prefill(8, vectors, 48, 96) and not kernels.integer_prefill(4, nibble_pairs, 48, 96)
     monkeypatch.setenv("WSCOMPRESS_INT8_PREFILL", "0")
     assert not kernels.integer_prefill(8, pairs, big, 1024)
 

@@ -781,9 +781,10 @@ inline void in_order(__m512i (&v)[C]) {
   }
 }
 
-// A row's in weights from its `units` indices, 64 indices a step through the decode products use
-template <int W, int D>
-void q8_dense_row(const Q8Table<W, D>& tab, const uint8_t* row, int64_t units, int64_t in, int8_t* hi, int8_t* lo) {
+// A row's in weights from its `units` indices, 64 indices a step through the decode products use:
+// store(at, n, h, l) takes weights at .. at + n - 1 (n <= 64) as signed hi bytes and lo bytes
+template <int W, int D, typename Store>
+void q8_dense_row(const Q8Table<W, D>& tab, const uint8_t* row, int64_t units, int64_t in, Store&& store) {
   constexpr int C = components<W, D>();
   constexpr int64_t per = W == 4 ? 2 : D;  // weights an index byte (nibbles: two) or index names
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
@@ -798,11 +799,12 @@ void q8_dense_row(const Q8Table<W, D>& tab, const uint8_t* row, int64_t units, i
     for (int k = 0; k < C; ++k) {
       const int64_t at = q * per + 64 * k, n = std::min<int64_t>(64, in - at);
       if (n <= 0) break;
-      const __mmask64 mask = n == 64 ? ~0ULL : (1ULL << n) - 1;
-      _mm512_mask_storeu_epi8(hi + at, mask, h[k]), _mm512_mask_storeu_epi8(lo + at, mask, l[k]);
+      store(at, n, h[k], l[k]);
     }
   }
 }
+
+inline __mmask64 first_bytes(int64_t n) { return n >= 64 ? ~0ULL : (1ULL << n) - 1; }
 #endif
 
 template <int W, int D>
@@ -819,7 +821,9 @@ void q8_dense_rows(const uint8_t* idx, const int8_t* tables, int64_t gs, int64_t
     int8_t *hi = dense + r * in, *lo = dense + (out + r) * in;
 #ifdef WSCOMPRESS_Q8_512
     if (r / gs != loaded) tab.load(table, 1.f), loaded = r / gs;
-    q8_dense_row<W, D>(tab, row, W == 4 ? row_bytes : in / D, in, hi, lo);
+    q8_dense_row<W, D>(tab, row, W == 4 ? row_bytes : in / D, in, [&](int64_t at, int64_t n, __m512i h, __m512i l) {
+      _mm512_mask_storeu_epi8(hi + at, first_bytes(n), h), _mm512_mask_storeu_epi8(lo + at, first_bytes(n), l);
+    });
 #else
     for (int64_t j = 0; j < in; ++j) q8_weight<W, D>(row, table, j, hi[j], lo[j]);
 #endif
@@ -1020,20 +1024,71 @@ torch::Tensor lut_dense_q8(torch::Tensor idx, torch::Tensor tables, torch::Tenso
   return dense_q8(idx, tables, width, group_size, out, in, q8_vector_length(idx, tables, scales, width, group_size, out, in));
 }
 
-// Prefill's product on the weight decoding multiplies, in 8-bit integers through torch's own
-// integer matmul (at::_int_mm: oneDNN's VNNI or AVX2 kernels): the weight as lut_dense_q8's hi
-// and lo planes, each input row split into two 8-bit parts, x = s (a + b / 254) with s the
-// row's largest magnitude / 127 (about 15 bits: one part alone cost 2.7 % of perplexity), and
-// three products, a hi, a lo and b hi (b lo stays below 2^-12 of the sum), joined with the
-// scales and the outliers' float corrections in one pass: the element-wise passes torch would
-// make over the products cost a fifth of the layer at 1.1B.
-torch::Tensor lut_linear_i8(torch::Tensor x, torch::Tensor idx, torch::Tensor tables, torch::Tensor scales,
-                            int64_t width, int64_t group_size, int64_t out, torch::Tensor row_ptr, torch::Tensor pos,
-                            torch::Tensor delta) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x: contiguous float32 (batch, in)");
+// The outliers' corrections to prefill's products, (out, rows): each against whole input columns,
+// the input transposed once so that a column is contiguous (a loop gathering one input value at
+// a time cost 4x this; torch's sparse CSR product as much, beta API aside). Undefined: none.
+torch::Tensor outlier_products(const torch::Tensor& x, const Sparse& sp, int64_t out) {
+  if (!sp.row_ptr) return {};
+  const int64_t rows = x.size(0);
+  auto corrections = torch::empty({out, rows}, x.options());
+  const torch::Tensor xt = x.t().contiguous();
+  const float* xtp = xt.data_ptr<float>();
+  float* by_row = corrections.data_ptr<float>();
+  at::parallel_for(0, out, 64, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      float* c = by_row + r * rows;
+      for (int64_t k = sp.row_ptr[r]; k < sp.row_ptr[r + 1]; ++k) {
+        const float d = sp.d(k), *column = xtp + sp.col(k, r) * rows;
+        if (k == sp.row_ptr[r])
+          for (int64_t m = 0; m < rows; ++m) c[m] = d * column[m];
+        else
+          for (int64_t m = 0; m < rows; ++m) c[m] += d * column[m];
+      }
+    }
+  });
+  return corrections;
+}
+
+// y (rows, out): fill(m0, m1, row_scale, y) writes input rows m0 .. m1 - 1 (16 at a time) of the
+// products with their scales (the input row's and row_scale[r], its weight row's group's), then
+// the outliers' corrections are added, in one pass over y: the element-wise passes torch would
+// make over the products cost a fifth of the layer at 1.1B. 16 input rows at a time: a cache line
+// of a weight row's corrections serves them all (one row at a time read a line per output, 10x
+// the corrections' cost).
+template <typename Fill>
+torch::Tensor finish(const torch::Tensor& x, const Sparse& sp, const torch::Tensor& scales, int64_t group_size,
+                     int64_t out, Fill&& fill) {
+  const int64_t rows = x.size(0);
+  const torch::Tensor corrections = outlier_products(x, sp, out);
+  const float* cp = sp.row_ptr ? corrections.data_ptr<float>() : nullptr;
+  const float* sc = scales.data_ptr<float>();
+  std::vector<float> row_scale(out + 16);  // whole vectors past the last row
+  for (int64_t r = 0; r < out; ++r) row_scale[r] = sc[r / group_size];
+  auto y = torch::empty({rows, out}, x.options());
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, (rows + 15) / 16, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t m0 = 16 * b0; m0 < std::min(rows, 16 * b1); m0 += 16) {
+      const int64_t m1 = std::min(rows, m0 + 16);
+      fill(m0, m1, row_scale.data(), yp);
+      if (cp)
+        for (int64_t r = 0; r < out; ++r)
+          if (sp.row_ptr[r + 1] > sp.row_ptr[r])
+            for (int64_t m = m0; m < m1; ++m) yp[m * out + r] += cp[r * rows + m];
+    }
+  });
+  return y;
+}
+
+// Prefill's product in 8-bit integers through torch's own integer matmul (at::_int_mm: oneDNN's
+// VNNI or AVX2 kernels): the weight as lut_dense_q8's hi and lo planes, each input row split into
+// two 8-bit parts, x = s (a + b / 254) with s the row's largest magnitude / 127 (about 15 bits:
+// one part alone cost 2.7 % of perplexity), and three products, a hi, a lo and b hi (b lo stays
+// below 2^-12 of the sum). 4-d vectors' 16-bit tables take this path everywhere, the others where
+// the build has no 16-bit one.
+torch::Tensor linear_i8(const torch::Tensor& x, const torch::Tensor& idx, const torch::Tensor& tables,
+                        const torch::Tensor& scales, int64_t width, int64_t group_size, int64_t out, const Sparse& sp,
+                        int64_t d) {
   const int64_t rows = x.size(0), in = x.size(1);
-  const int64_t d = q8_vector_length(idx, tables, scales, width, group_size, out, in);
-  const Sparse sp = sparse(row_ptr, pos, delta, out, in);
   const torch::Tensor planes = dense_q8(idx, tables, width, group_size, out, in, d);
   auto a = torch::empty({rows, in}, tables.options()), b = torch::empty({rows, in}, tables.options());
   std::vector<float> s(rows), a_sum(rows);
@@ -1055,53 +1110,210 @@ torch::Tensor lut_linear_i8(torch::Tensor x, torch::Tensor idx, torch::Tensor ta
   });
   const torch::Tensor both = at::_int_mm(a, planes.t()), hi_b = at::_int_mm(b, planes.narrow(0, 0, out).t());
   const float unit = wide(d) ? 256.f : 16.f, offset = wide(d) ? 128.f : 0.f;  // 4-d vectors' lo plane holds lo - 128
-  std::vector<float> row_scale(out);
-  const float* sc = scales.data_ptr<float>();
-  for (int64_t r = 0; r < out; ++r) row_scale[r] = sc[r / group_size];
-  // the outliers' corrections (out, rows), for weight rows that have some: each against whole
-  // input columns, the input transposed once so that a column is contiguous (a loop gathering
-  // one input value at a time cost 4x this; torch's sparse CSR product as much, beta API aside)
-  torch::Tensor corrections;
-  if (sp.row_ptr) {
-    corrections = torch::empty({out, rows}, x.options());
-    const torch::Tensor xt = x.t().contiguous();
-    const float* xtp = xt.data_ptr<float>();
-    float* by_row = corrections.data_ptr<float>();
-    at::parallel_for(0, out, 64, [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r) {
-        float* c = by_row + r * rows;
-        for (int64_t k = sp.row_ptr[r]; k < sp.row_ptr[r + 1]; ++k) {
-          const float d = sp.d(k), *column = xtp + sp.col(k, r) * rows;
-          if (k == sp.row_ptr[r])
-            for (int64_t m = 0; m < rows; ++m) c[m] = d * column[m];
-          else
-            for (int64_t m = 0; m < rows; ++m) c[m] += d * column[m];
-        }
+  const int32_t *pp = both.data_ptr<int32_t>(), *qp = hi_b.data_ptr<int32_t>();
+  return finish(x, sp, scales, group_size, out, [&](int64_t m0, int64_t m1, const float* row_scale, float* y) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const int32_t *p = pp + m * 2 * out, *q = qp + m * out;
+      const float base = offset * a_sum[m];
+      float* ym = y + m * out;
+      for (int64_t r = 0; r < out; ++r) ym[r] = (unit * p[r] + p[out + r] + unit / 254.f * q[r] + base) * s[m] * row_scale[r];
+    }
+  });
+}
+
+#ifdef WSCOMPRESS_Q8_512
+// ---- Prefill in 16-bit integers (12-bit tables) ----
+// VPDPWSSD multiplies 32 pairs of 16-bit integers at the rate VPDPBUSD multiplies 64 pairs of
+// bytes: a weight's whole 12-bit value (16 hi + lo) by an input of 14 bits (a row's largest
+// magnitude is 8191) in one product, where the 8-bit path makes three. Sums of I16_PAIRS pairs
+// stay exact in int32 (2048 x 8191 x 128 < 2^31), then are added as floats. Tiles broadcast a
+// pair of a weight row and multiply it into 16 input rows a register, so the weight rows are read
+// in the order decoding writes them and only the input is rearranged (once a call, pair-major).
+constexpr int64_t I16_PAIRS = 64;  // input pairs an int32 sum spans
+constexpr float I16_MAX = 8191.f;
+constexpr int I16_TILE = 6;  // weight rows a tile: 6 x 4 registers of sums, each broadcast pair used 4 times
+constexpr int64_t I16_ROWS = 48;  // weight rows a thread decodes at once (a few hundred KB, in L2)
+constexpr int64_t I16_INPUTS = 128;  // input rows whose pairs stay in L1 across a block's tiles
+
+// acc += the 16 dot products of b's and x's pairs of 16-bit integers. Written as the one instruction
+// that updates acc in place: GCC 12 compiled the intrinsic through a copy of acc and a store of it
+// each product (half the tile's speed), and keeps an array of sums in memory, so the tile names
+// its 24 sums.
+inline void dpwssd(__m512i& acc, __m512i b, __m512i x) { asm("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(b), "v"(x)); }
+
+inline void add_sums(float* p, __m512i s) { _mm512_storeu_ps(p, _mm512_add_ps(_mm512_loadu_ps(p), _mm512_cvtepi32_ps(s))); }
+
+// c[r][m] += sum over pairs t0 .. t1 - 1 of w[r] . x[m] for I16_TILE weight rows (w: row stride
+// in) and 16 ZM input rows (xp: pair t of row m at t * mp + m; c: row stride mp)
+template <int ZM>
+inline void i16_tile(const int16_t* w, int64_t in, const int32_t* xp, int64_t mp, int64_t t0, int64_t t1, float* c) {
+  static_assert(I16_TILE == 6, "the tile names 6 rows of sums");
+  __m512i s00{}, s01{}, s02{}, s03{}, s10{}, s11{}, s12{}, s13{}, s20{}, s21{}, s22{}, s23{},
+      s30{}, s31{}, s32{}, s33{}, s40{}, s41{}, s42{}, s43{}, s50{}, s51{}, s52{}, s53{};
+  for (int64_t t = t0; t < t1; ++t) {
+    const int32_t* xt = xp + t * mp;
+    __m512i x0 = _mm512_loadu_si512(xt), x1{}, x2{}, x3{};
+    if constexpr (ZM > 1) x1 = _mm512_loadu_si512(xt + 16);
+    if constexpr (ZM > 2) x2 = _mm512_loadu_si512(xt + 32);
+    if constexpr (ZM > 3) x3 = _mm512_loadu_si512(xt + 48);
+    auto row = [&](int r, __m512i& a0, __m512i& a1, __m512i& a2, __m512i& a3) {
+      int32_t pair;
+      std::memcpy(&pair, w + r * in + 2 * t, 4);
+      const __m512i b = _mm512_set1_epi32(pair);
+      dpwssd(a0, b, x0);
+      if constexpr (ZM > 1) dpwssd(a1, b, x1);
+      if constexpr (ZM > 2) dpwssd(a2, b, x2);
+      if constexpr (ZM > 3) dpwssd(a3, b, x3);
+    };
+    row(0, s00, s01, s02, s03), row(1, s10, s11, s12, s13), row(2, s20, s21, s22, s23);
+    row(3, s30, s31, s32, s33), row(4, s40, s41, s42, s43), row(5, s50, s51, s52, s53);
+  }
+  auto store = [&](int r, __m512i a0, __m512i a1, __m512i a2, __m512i a3) {
+    float* p = c + r * mp;
+    add_sums(p, a0);
+    if constexpr (ZM > 1) add_sums(p + 16, a1);
+    if constexpr (ZM > 2) add_sums(p + 32, a2);
+    if constexpr (ZM > 3) add_sums(p + 48, a3);
+  };
+  store(0, s00, s01, s02, s03), store(1, s10, s11, s12, s13), store(2, s20, s21, s22, s23);
+  store(3, s30, s31, s32, s33), store(4, s40, s41, s42, s43), store(5, s50, s51, s52, s53);
+}
+
+// Weight rows r0 .. r1 (at most I16_ROWS) decoded to 16 hi + lo, times every input row, into c
+// (the products transposed, (out, mp), zeroed)
+template <int W, int D>
+void i16_rows(const uint8_t* idx, const int8_t* tables, int64_t gs, int64_t in, const int32_t* xp, int64_t mp,
+              int64_t r0, int64_t r1, int16_t* w, float* c) {
+  const int64_t row_bytes = in / D * W / 8, pairs = in / 2;
+  Q8Table<W, D> tab;
+  int64_t loaded = -1;
+  for (int64_t r = r0; r < r1; ++r) {
+    if (r / gs != loaded) tab.load(tables + r / gs * table_bytes(W, D), 1.f), loaded = r / gs;
+    int16_t* row = w + (r - r0) * in;
+    q8_dense_row<W, D>(tab, idx + r * row_bytes, W == 4 ? row_bytes : in / D, in, [&](int64_t at, int64_t n, __m512i h, __m512i l) {
+      for (int half = 0; half < 2 && 32 * half < n; ++half) {
+        const __m512i hi = _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(h, half ? 1 : 0));
+        const __m512i lo = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(l, half ? 1 : 0));
+        const int64_t k = std::min<int64_t>(32, n - 32 * half);
+        _mm512_mask_storeu_epi16(row + at + 32 * half, static_cast<__mmask32>(first_bytes(k)),
+                                 _mm512_add_epi16(_mm512_slli_epi16(hi, 4), lo));
       }
     });
   }
-  const float* cp = sp.row_ptr ? corrections.data_ptr<float>() : nullptr;
-  auto y = torch::empty({rows, out}, x.options());
-  float* yp = y.data_ptr<float>();
-  const int32_t *pp = both.data_ptr<int32_t>(), *qp = hi_b.data_ptr<int32_t>();
-  // 16 input rows at a time: a cache line of a weight row's corrections serves them all (one row
-  // at a time read a line per output, 10x the corrections' cost)
-  at::parallel_for(0, (rows + 15) / 16, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t m0 = 16 * b0; m0 < std::min(rows, 16 * b1); m0 += 16) {
-      const int64_t m1 = std::min(rows, m0 + 16);
-      for (int64_t m = m0; m < m1; ++m) {
-        const int32_t *p = pp + m * 2 * out, *q = qp + m * out;
-        const float base = offset * a_sum[m];
-        float* ym = yp + m * out;
-        for (int64_t r = 0; r < out; ++r) ym[r] = (unit * p[r] + p[out + r] + unit / 254.f * q[r] + base) * s[m] * row_scale[r];
+  // a last block of fewer rows also fills whole tiles: the rows after r1 (w's earlier rows or
+  // zeros) land in c's padding
+  for (int64_t m0 = 0; m0 < mp; m0 += I16_INPUTS) {
+    const int64_t m1 = std::min(mp, m0 + I16_INPUTS);
+    for (int64_t t0 = 0; t0 < pairs; t0 += I16_PAIRS) {
+      const int64_t t1 = std::min(pairs, t0 + I16_PAIRS);
+      for (int64_t r = r0; r < r1; r += I16_TILE) {
+        const int16_t* wr = w + (r - r0) * in;
+        float* cr = c + r * mp;
+        for (int64_t m = m0; m < m1; m += 64) {
+          const int64_t left = std::min<int64_t>(64, m1 - m) / 16;
+          if (left == 4) i16_tile<4>(wr, in, xp + m, mp, t0, t1, cr + m);
+          else if (left == 3) i16_tile<3>(wr, in, xp + m, mp, t0, t1, cr + m);
+          else if (left == 2) i16_tile<2>(wr, in, xp + m, mp, t0, t1, cr + m);
+          else i16_tile<1>(wr, in, xp + m, mp, t0, t1, cr + m);
+        }
       }
-      if (cp)
-        for (int64_t r = 0; r < out; ++r)
-          if (sp.row_ptr[r + 1] > sp.row_ptr[r])
-            for (int64_t m = m0; m < m1; ++m) yp[m * out + r] += cp[r * rows + m];
+    }
+  }
+}
+
+// Index vectors of transpose16's steps: step b swaps bit b of the row with bit b of the column
+struct Butterfly {
+  int32_t first[4][16], second[4][16];
+};
+constexpr Butterfly butterfly() {
+  Butterfly f{};
+  for (int k = 0; k < 4; ++k)
+    for (int j = 0, b = 1 << k; j < 16; ++j)
+      f.first[k][j] = j & b ? 16 + (j ^ b) : j, f.second[k][j] = j & b ? 16 + j : j ^ b;
+  return f;
+}
+
+// The 16 x 16 floats of v transposed (lane j of v[i] to lane i of v[j]), in 64 two-source permutes
+inline void transpose16(__m512 (&v)[16]) {
+  static constexpr Butterfly f = butterfly();
+  for (int k = 0; k < 4; ++k) {
+    const int b = 1 << k;
+    const __m512i first = _mm512_loadu_si512(f.first[k]), second = _mm512_loadu_si512(f.second[k]);
+    for (int i = 0; i < 16; ++i)
+      if (!(i & b)) {
+        const __m512 lo = v[i], hi = v[i | b];
+        v[i] = _mm512_permutex2var_ps(lo, first, hi), v[i | b] = _mm512_permutex2var_ps(lo, second, hi);
+      }
+  }
+}
+
+torch::Tensor linear_i16(const torch::Tensor& x, const torch::Tensor& idx, const torch::Tensor& tables,
+                         const torch::Tensor& scales, int64_t width, int64_t group_size, int64_t out, const Sparse& sp,
+                         int64_t d) {
+  const int64_t rows = x.size(0), in = x.size(1), pairs = in / 2, mp = (rows + 15) / 16 * 16;
+  // the input, 14 bits a value, pair-major: pair t of row m at t * mp + m (rows beyond `rows`: 0)
+  std::vector<int32_t> packed(pairs * mp, 0);
+  std::vector<float> s(rows);
+  const float* xf = x.data_ptr<float>();
+  at::parallel_for(0, mp / 16, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<int16_t> q(16 * in);
+    for (int64_t m0 = 16 * b0; m0 < std::min(rows, 16 * b1); m0 += 16) {
+      const int64_t n = std::min<int64_t>(16, rows - m0);
+      for (int64_t i = 0; i < n; ++i) {
+        const float* row = xf + (m0 + i) * in;
+        float amax = 0.f;
+        for (int64_t j = 0; j < in; ++j) amax = std::max(amax, std::fabs(row[j]));
+        const float inv = amax > 0.f ? I16_MAX / amax : 0.f;
+        for (int64_t j = 0; j < in; ++j) q[i * in + j] = static_cast<int16_t>(std::nearbyint(row[j] * inv));
+        s[m0 + i] = amax / I16_MAX;
+      }
+      for (int64_t t = 0; t < pairs; ++t)
+        for (int64_t i = 0; i < n; ++i) std::memcpy(&packed[t * mp + m0 + i], &q[i * in + 2 * t], 4);
     }
   });
-  return y;
+  std::vector<float> c((out + 16) * mp, 0.f);  // whole tiles and 16-row blocks past the last row
+  const uint8_t* ip = idx.data_ptr<uint8_t>();
+  const int8_t* tp = tables.data_ptr<int8_t>();
+  at::parallel_for(0, (out + I16_ROWS - 1) / I16_ROWS, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<int16_t> w(I16_ROWS * in);
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t r0 = b * I16_ROWS, r1 = std::min(out, r0 + I16_ROWS);
+      auto run = [&](auto rows_of) { rows_of(ip, tp, group_size, in, packed.data(), mp, r0, r1, w.data(), c.data()); };
+      if (width == 4) run(i16_rows<4, 1>);
+      else if (width == 6) run(i16_rows<6, 2>);
+      else if (d == 1) run(i16_rows<8, 1>);
+      else run(i16_rows<8, 2>);
+    }
+  });
+  // c's 16 x 16 blocks transposed in registers: y's rows written whole (a column at a time wrote
+  // 16 rows' lines each step, which share an L1 set where a row is a multiple of 4 KB)
+  return finish(x, sp, scales, group_size, out, [&](int64_t m0, int64_t m1, const float* row_scale, float* y) {
+    for (int64_t r0 = 0; r0 < out; r0 += 16) {
+      __m512 v[16];
+      for (int i = 0; i < 16; ++i) v[i] = _mm512_loadu_ps(c.data() + (r0 + i) * mp + m0);
+      transpose16(v);
+      const __mmask16 mask = static_cast<__mmask16>(out - r0 >= 16 ? 0xFFFF : (1u << (out - r0)) - 1);
+      const __m512 rs = _mm512_loadu_ps(row_scale + r0);
+      for (int64_t m = m0; m < m1; ++m)
+        _mm512_mask_storeu_ps(y + m * out + r0, mask, _mm512_mul_ps(_mm512_mul_ps(v[m - m0], rs), _mm512_set1_ps(s[m])));
+    }
+  });
+}
+#endif
+
+// Prefill's product on the weight decoding multiplies, in integers, with the scales and the
+// outliers' float corrections joined in one pass: 16-bit products where the build has VPDPWSSD
+// (AVX-512 VNNI) and the tables 12 bits, else three 8-bit ones (linear_i8)
+torch::Tensor lut_linear_i8(torch::Tensor x, torch::Tensor idx, torch::Tensor tables, torch::Tensor scales,
+                            int64_t width, int64_t group_size, int64_t out, torch::Tensor row_ptr, torch::Tensor pos,
+                            torch::Tensor delta) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x: contiguous float32 (batch, in)");
+  const int64_t d = q8_vector_length(idx, tables, scales, width, group_size, out, x.size(1));
+  const Sparse sp = sparse(row_ptr, pos, delta, out, x.size(1));
+#ifdef WSCOMPRESS_Q8_512
+  if (!wide(d)) return linear_i16(x, idx, tables, scales, width, group_size, out, sp, d);
+#endif
+  return linear_i8(x, idx, tables, scales, width, group_size, out, sp, d);
 }
 
 // The dense (out, in) weight, outliers included (prefill decodes it and hands it to the BLAS).
