@@ -728,11 +728,12 @@ void q8_gemv(const float* xf, const uint8_t* idx, const int8_t* tables, const fl
 }
 #endif  // WSCOMPRESS_Q8
 
-// ---- Prefill's integer weights (lut_dense_q8) ----
+// ---- Prefill's integer weights (lut_dense_q8, and the 16-bit path's rows) ----
 // Prefill multiplies the weight as decoding's byte products see it (the rounded tables: v = 16 hi
-// + lo, or 256 hi + lo for 4-d vectors), with torch._int_mm, as two int8 planes: the hi bytes,
-// and lo (0..15; 4-d vectors: lo - 128, so that it is signed too), in weight order. Both paths
-// then multiply the same values; 8-bit tables alone cost 0.8-1.1 % of perplexity.
+// + lo, or 256 hi + lo for 4-d vectors), decoded in weight order: as 16-bit values (linear_i16),
+// or for torch._int_mm as two int8 planes, the hi bytes and lo (0..15; 4-d vectors: lo - 128, so
+// that it is signed too). Decoding and prefill then multiply the same values; 8-bit tables alone
+// cost 0.8-1.1 % of perplexity.
 
 // Weight j of a row: its value's hi and lo parts, from its group's table (scalar: builds without
 // AVX-512 VBMI)
