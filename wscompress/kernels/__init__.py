@@ -289,7 +289,7 @@ def palettized_linear(x: torch.Tensor, indices: torch.Tensor, width: int, tables
     compute-bound, and cuBLAS on the weight decoded by torch wins there). Decoding on CPU
     multiplies 8-bit activations by the ``rounded`` tables (``modeling_wscompress.round_tables``)
     where they are given and the CPU has the instructions (``Q8``); prefill multiplies the same
-    tables in 8-bit integers where ``integer_prefill`` says, else the BLAS on the decoded weight."""
+    tables in integers where ``integer_prefill`` says, else the BLAS on the decoded weight."""
     if torch.is_grad_enabled() and (x.requires_grad or tables.requires_grad):
         return None
     if _triton_path(x):
