@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -1142,17 +1143,22 @@ constexpr int64_t I16_INPUTS = 128;  // input rows whose pairs stay in L1 across
 // its 24 sums.
 inline void dpwssd(__m512i& acc, __m512i b, __m512i x) { asm("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(b), "v"(x)); }
 
-inline void add_sums(float* p, __m512i s) { _mm512_storeu_ps(p, _mm512_add_ps(_mm512_loadu_ps(p), _mm512_cvtepi32_ps(s))); }
+// p = s (the first span of pairs) or p + s, as floats
+inline void add_sums(float* p, __m512i s, bool first) {
+  const __m512 v = _mm512_cvtepi32_ps(s);
+  _mm512_storeu_ps(p, first ? v : _mm512_add_ps(_mm512_loadu_ps(p), v));
+}
 
-// c[r][m] += sum over pairs t0 .. t1 - 1 of w[r] . x[m] for I16_TILE weight rows (w: row stride
-// in) and 16 ZM input rows (xp: pair t of row m at t * mp + m; c: row stride mp)
+// c[r][m] (+)= sum over pairs t0 .. t1 - 1 of w[r] . x[m] for I16_TILE weight rows (w: row stride
+// in) and 16 ZM input rows (xp: pair t of row m at t * xs + m; c: row stride mp), `=` where t0 is 0
 template <int ZM>
-inline void i16_tile(const int16_t* w, int64_t in, const int32_t* xp, int64_t mp, int64_t t0, int64_t t1, float* c) {
+inline void i16_tile(const int16_t* w, int64_t in, const int32_t* xp, int64_t xs, int64_t mp, int64_t t0, int64_t t1,
+                     float* c) {
   static_assert(I16_TILE == 6, "the tile names 6 rows of sums");
   __m512i s00{}, s01{}, s02{}, s03{}, s10{}, s11{}, s12{}, s13{}, s20{}, s21{}, s22{}, s23{},
       s30{}, s31{}, s32{}, s33{}, s40{}, s41{}, s42{}, s43{}, s50{}, s51{}, s52{}, s53{};
   for (int64_t t = t0; t < t1; ++t) {
-    const int32_t* xt = xp + t * mp;
+    const int32_t* xt = xp + t * xs;
     __m512i x0 = _mm512_loadu_si512(xt), x1{}, x2{}, x3{};
     if constexpr (ZM > 1) x1 = _mm512_loadu_si512(xt + 16);
     if constexpr (ZM > 2) x2 = _mm512_loadu_si512(xt + 32);
@@ -1171,17 +1177,17 @@ inline void i16_tile(const int16_t* w, int64_t in, const int32_t* xp, int64_t mp
   }
   auto store = [&](int r, __m512i a0, __m512i a1, __m512i a2, __m512i a3) {
     float* p = c + r * mp;
-    add_sums(p, a0);
-    if constexpr (ZM > 1) add_sums(p + 16, a1);
-    if constexpr (ZM > 2) add_sums(p + 32, a2);
-    if constexpr (ZM > 3) add_sums(p + 48, a3);
+    add_sums(p, a0, t0 == 0);
+    if constexpr (ZM > 1) add_sums(p + 16, a1, t0 == 0);
+    if constexpr (ZM > 2) add_sums(p + 32, a2, t0 == 0);
+    if constexpr (ZM > 3) add_sums(p + 48, a3, t0 == 0);
   };
   store(0, s00, s01, s02, s03), store(1, s10, s11, s12, s13), store(2, s20, s21, s22, s23);
   store(3, s30, s31, s32, s33), store(4, s40, s41, s42, s43), store(5, s50, s51, s52, s53);
 }
 
 // Weight rows r0 .. r1 (at most I16_ROWS) decoded to 16 hi + lo, times every input row, into c
-// (the products transposed, (out, mp), zeroed)
+// (the products transposed, (out, mp); xp: linear_i16's blocks of input rows)
 template <int W, int D>
 void i16_rows(const uint8_t* idx, const int8_t* tables, int64_t gs, int64_t in, const int32_t* xp, int64_t mp,
               int64_t r0, int64_t r1, int16_t* w, float* c) {
@@ -1204,7 +1210,8 @@ void i16_rows(const uint8_t* idx, const int8_t* tables, int64_t gs, int64_t in, 
   // a last block of fewer rows also fills whole tiles: the rows after r1 (w's earlier rows or
   // zeros) land in c's padding
   for (int64_t m0 = 0; m0 < mp; m0 += I16_INPUTS) {
-    const int64_t m1 = std::min(mp, m0 + I16_INPUTS);
+    const int64_t m1 = std::min(mp, m0 + I16_INPUTS), xs = m1 - m0;
+    const int32_t* xb = xp + m0 * pairs;  // this block's inputs
     for (int64_t t0 = 0; t0 < pairs; t0 += I16_PAIRS) {
       const int64_t t1 = std::min(pairs, t0 + I16_PAIRS);
       for (int64_t r = r0; r < r1; r += I16_TILE) {
@@ -1212,10 +1219,11 @@ void i16_rows(const uint8_t* idx, const int8_t* tables, int64_t gs, int64_t in, 
         float* cr = c + r * mp;
         for (int64_t m = m0; m < m1; m += 64) {
           const int64_t left = std::min<int64_t>(64, m1 - m) / 16;
-          if (left == 4) i16_tile<4>(wr, in, xp + m, mp, t0, t1, cr + m);
-          else if (left == 3) i16_tile<3>(wr, in, xp + m, mp, t0, t1, cr + m);
-          else if (left == 2) i16_tile<2>(wr, in, xp + m, mp, t0, t1, cr + m);
-          else i16_tile<1>(wr, in, xp + m, mp, t0, t1, cr + m);
+          const int32_t* xm = xb + (m - m0);
+          if (left == 4) i16_tile<4>(wr, in, xm, xs, mp, t0, t1, cr + m);
+          else if (left == 3) i16_tile<3>(wr, in, xm, xs, mp, t0, t1, cr + m);
+          else if (left == 2) i16_tile<2>(wr, in, xm, xs, mp, t0, t1, cr + m);
+          else i16_tile<1>(wr, in, xm, xs, mp, t0, t1, cr + m);
         }
       }
     }
@@ -1252,34 +1260,48 @@ torch::Tensor linear_i16(const torch::Tensor& x, const torch::Tensor& idx, const
                          const torch::Tensor& scales, int64_t width, int64_t group_size, int64_t out, const Sparse& sp,
                          int64_t d) {
   const int64_t rows = x.size(0), in = x.size(1), pairs = in / 2, mp = (rows + 15) / 16 * 16;
-  // the input, 14 bits a value, pair-major: pair t of row m at t * mp + m (rows beyond `rows`: 0)
-  std::vector<int32_t> packed(pairs * mp, 0);
+  // the input, 14 bits a value, pair-major in blocks of I16_INPUTS rows, so that a tile's span of
+  // pairs is contiguous (pair-major over all rows put each of its pairs on a page of its own once
+  // rows reached the thousands): pair t of row m at m0 pairs + t b + m - m0, m0 and b its block's
+  // first row and rows; rows beyond `rows` are 0. Neither this nor c is zeroed first (a serial
+  // pass over megabytes of fresh pages): every element is written before it is read.
+  std::unique_ptr<int32_t[]> packed(new int32_t[pairs * mp]);
   std::vector<float> s(rows);
   const float* xf = x.data_ptr<float>();
   at::parallel_for(0, mp / 16, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<int16_t> q(16 * in);
+    std::vector<int16_t> q(16 * in);  // 16 rows rounded, then moved pair-major 16 x 16 pairs at a time
     for (int64_t m0 = 16 * b0; m0 < std::min(rows, 16 * b1); m0 += 16) {
       const int64_t n = std::min<int64_t>(16, rows - m0);
       for (int64_t i = 0; i < n; ++i) {
         const float* row = xf + (m0 + i) * in;
-        float amax = 0.f;
-        for (int64_t j = 0; j < in; ++j) amax = std::max(amax, std::fabs(row[j]));
-        const float inv = amax > 0.f ? I16_MAX / amax : 0.f;
-        for (int64_t j = 0; j < in; ++j) q[i * in + j] = static_cast<int16_t>(std::nearbyint(row[j] * inv));
-        s[m0 + i] = amax / I16_MAX;
+        __m512 amax = _mm512_setzero_ps();
+        for (int64_t j = 0; j < in; j += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(row + j)));
+        const float largest = _mm512_reduce_max_ps(amax), inv = largest > 0.f ? I16_MAX / largest : 0.f;
+        for (int64_t j = 0; j < in; j += 16)  // rounded to nearest even, as nearbyint
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(&q[i * in + j]),
+                              _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(row + j), _mm512_set1_ps(inv)))));
+        s[m0 + i] = largest / I16_MAX;
       }
-      for (int64_t t = 0; t < pairs; ++t)
-        for (int64_t i = 0; i < n; ++i) std::memcpy(&packed[t * mp + m0 + i], &q[i * in + 2 * t], 4);
+      std::fill(q.begin() + n * in, q.end(), int16_t{0});
+      const int64_t first = m0 / I16_INPUTS * I16_INPUTS, block = std::min(I16_INPUTS, mp - first);
+      int32_t* to = packed.get() + first * pairs + (m0 - first);
+      for (int64_t t0 = 0; t0 < pairs; t0 += 16) {  // in is a multiple of 32: whole steps
+        __m512 v[16];
+        for (int i = 0; i < 16; ++i) v[i] = _mm512_loadu_ps(reinterpret_cast<const float*>(&q[i * in + 2 * t0]));  // 16 pairs as bits
+        transpose16(v);
+        for (int j = 0; j < 16; ++j) _mm512_storeu_ps(reinterpret_cast<float*>(to + (t0 + j) * block), v[j]);
+      }
     }
   });
-  std::vector<float> c((out + 16) * mp, 0.f);  // whole tiles and 16-row blocks past the last row
+  std::unique_ptr<float[]> c(new float[(out + 16) * mp]);  // whole tiles and 16-row blocks past the last row
+  std::fill(c.get() + out * mp, c.get() + (out + 16) * mp, 0.f);
   const uint8_t* ip = idx.data_ptr<uint8_t>();
   const int8_t* tp = tables.data_ptr<int8_t>();
   at::parallel_for(0, (out + I16_ROWS - 1) / I16_ROWS, 1, [&](int64_t b0, int64_t b1) {
     std::vector<int16_t> w(I16_ROWS * in);
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t r0 = b * I16_ROWS, r1 = std::min(out, r0 + I16_ROWS);
-      auto run = [&](auto rows_of) { rows_of(ip, tp, group_size, in, packed.data(), mp, r0, r1, w.data(), c.data()); };
+      auto run = [&](auto rows_of) { rows_of(ip, tp, group_size, in, packed.get(), mp, r0, r1, w.data(), c.get()); };
       if (width == 4) run(i16_rows<4, 1>);
       else if (width == 6) run(i16_rows<6, 2>);
       else if (d == 1) run(i16_rows<8, 1>);
@@ -1291,7 +1313,7 @@ torch::Tensor linear_i16(const torch::Tensor& x, const torch::Tensor& idx, const
   return finish(x, sp, scales, group_size, out, [&](int64_t m0, int64_t m1, const float* row_scale, float* y) {
     for (int64_t r0 = 0; r0 < out; r0 += 16) {
       __m512 v[16];
-      for (int i = 0; i < 16; ++i) v[i] = _mm512_loadu_ps(c.data() + (r0 + i) * mp + m0);
+      for (int i = 0; i < 16; ++i) v[i] = _mm512_loadu_ps(c.get() + (r0 + i) * mp + m0);
       transpose16(v);
       const __mmask16 mask = static_cast<__mmask16>(out - r0 >= 16 ? 0xFFFF : (1u << (out - r0)) - 1);
       const __m512 rs = _mm512_loadu_ps(row_scale + r0);
