@@ -2,8 +2,7 @@
 the weight decoded to float32, the BLAS), integers in every layer (``=1``: ``lut_linear_i8``, one
 16-bit product a weight for 12-bit tables where the build has AVX-512 VNNI, else three 8-bit
 ones through ``torch._int_mm``) and the default (unset: integers in layers of
-``kernels.INT16_PREFILL_WEIGHTS`` weights or more, 4-d vectors' from
-``kernels.INT8_PREFILL_WEIGHTS``, where the build decodes them vectorised).
+``kernels.INTEGER_PREFILL_WEIGHTS`` weights or more, where the build decodes them vectorised).
 
 For each model shape (a decoder layer's q, k/v, o, gate/up and down projections, as many times
 as the model has layers; k/v and gate/up counted twice) and each shipped recipe's layout (random

@@ -323,17 +323,15 @@ def test_the_integer_weight_is_the_one_decoding_multiplies(d, bits, inp):
 
 
 def test_integer_prefill_by_default_where_it_pays(monkeypatch):
-    """Unset, WSCOMPRESS_INT8_PREFILL leaves the choice to the layout and the layer's size, where
-    the build decodes the weight vectorised and multiplies 16-bit integers: 12-bit tables from
-    INT16_PREFILL_WEIGHTS weights on, 4-d vectors' 16-bit ones from INT8_PREFILL_WEIGHTS; never
-    nibble vectors, which have no rounded tables' decode."""
+    """Unset, WSCOMPRESS_INT8_PREFILL leaves the choice to the layer's size: integers from
+    INTEGER_PREFILL_WEIGHTS weights on, where the build decodes their weight vectorised; never
+    for nibble vectors, which have no rounded tables' decode."""
     monkeypatch.delenv("WSCOMPRESS_INT8_PREFILL", raising=False)
     pairs, vectors, nibble_pairs = torch.zeros(1, 256, 2), torch.zeros(1, 256, 4), torch.zeros(1, 16, 2)
-    big, small = kernels.INT8_PREFILL_WEIGHTS, kernels.INT16_PREFILL_WEIGHTS
-    assert kernels.integer_prefill(8, pairs, small // 512, 512) == kernels.q8(8)
-    assert not kernels.integer_prefill(8, pairs, small // 512 - 1, 512)
+    big = kernels.INTEGER_PREFILL_WEIGHTS
+    assert kernels.integer_prefill(8, pairs, big // 1024, 1024) == kernels.q8(8)
     assert kernels.integer_prefill(8, vectors, big // 1024, 1024) == kernels.q8(8)
-    assert not kernels.integer_prefill(8, vectors, small // 512, 512)
+    assert not kernels.integer_prefill(8, pairs, big // 1024 - 1, 1024)
     assert not kernels.integer_prefill(4, nibble_pairs, big, 1024)
     monkeypatch.setenv("WSCOMPRESS_INT8_PREFILL", "1")
     assert kernels.integer_prefill(8, vectors, 48, 96) and not kernels.integer_prefill(4, nibble_pairs, 48, 96)

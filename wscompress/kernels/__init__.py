@@ -318,20 +318,17 @@ def integer_prefill(width: int, tables: torch.Tensor, out: int, inp: int) -> boo
     (``lut_linear_i8``, on the weight decoding's byte products multiply, perplexity within
     0.02 %): for every layout but nibble vectors, as ``WSCOMPRESS_INT8_PREFILL`` says: ``1``
     always, ``0`` never, unset where the build decodes the weight vectorised and multiplies
-    16-bit integers (``lut_q8(8)``: AVX-512 VBMI and VNNI) and the layer is as large as its
-    tables' path needs to gain on float32 (docs/runtime.md): INT16_PREFILL_WEIGHTS for 12-bit
-    tables (one 16-bit product a weight; below, the input's rounding and the output's pass cost
-    more than it saves), INT8_PREFILL_WEIGHTS for 4-d vectors' 16-bit ones (three 8-bit products,
-    which gain only where the float path's decoded weight no longer stays in the caches)."""
+    16-bit integers (``lut_q8(8)``: AVX-512 VBMI and VNNI) and the layer has at least
+    INTEGER_PREFILL_WEIGHTS weights: from there its integer products gain on float32 (16-bit
+    ones for 12-bit tables, three 8-bit ones for 4-d vectors' 16-bit tables); at SmolLM2's
+    widths evaluation measured slower with them (docs/runtime.md)."""
     choice = os.environ.get("WSCOMPRESS_INT8_PREFILL", "")
-    d = tables.shape[2] if tables.dim() == 3 else 1
-    if choice == "0" or width == 4 and d > 1:  # nibble vectors: float only
+    if choice == "0" or width == 4 and tables.dim() == 3 and tables.shape[2] > 1:  # nibble vectors: float only
         return False
-    return choice == "1" or q8(8) and out * inp >= (INT8_PREFILL_WEIGHTS if d == 4 else INT16_PREFILL_WEIGHTS)
+    return choice == "1" or q8(8) and out * inp >= INTEGER_PREFILL_WEIGHTS
 
 
-INT16_PREFILL_WEIGHTS = 1 << 18  # from 512 x 512 on the 16-bit products tie with float32 or gain
-INT8_PREFILL_WEIGHTS = 1 << 22  # from 2048 x 2048 on the 8-bit products tie with float32 or gain
+INTEGER_PREFILL_WEIGHTS = 1 << 22  # from 2048 x 2048 on the integer products gain on float32 (docs/runtime.md)
 
 
 _q8: dict[int, bool] = {}  # q8()'s answers by index width (a global: a compiled graph reads it as a constant)
