@@ -1130,7 +1130,8 @@ torch::Tensor linear_i8(const torch::Tensor& x, const torch::Tensor& idx, const 
 // magnitude is 8191) in one product, where the 8-bit path makes three. Sums of I16_PAIRS pairs
 // stay exact in int32 (2048 x 8191 x 128 < 2^31), then are added as floats. Tiles broadcast a
 // pair of a weight row and multiply it into 16 input rows a register, so the weight rows are read
-// in the order decoding writes them and only the input is rearranged (once a call, pair-major).
+// in the order decoding writes them and only the input is rearranged (once a call, pair-major in
+// blocks of I16_INPUTS rows).
 constexpr int64_t I16_PAIRS = 64;  // input pairs an int32 sum spans
 constexpr float I16_MAX = 8191.f;
 constexpr int I16_TILE = 6;  // weight rows a tile: 6 x 4 registers of sums, each broadcast pair used 4 times
@@ -1263,8 +1264,9 @@ torch::Tensor linear_i16(const torch::Tensor& x, const torch::Tensor& idx, const
   // the input, 14 bits a value, pair-major in blocks of I16_INPUTS rows, so that a tile's span of
   // pairs is contiguous (pair-major over all rows put each of its pairs on a page of its own once
   // rows reached the thousands): pair t of row m at m0 pairs + t b + m - m0, m0 and b its block's
-  // first row and rows; rows beyond `rows` are 0. Neither this nor c is zeroed first (a serial
-  // pass over megabytes of fresh pages): every element is written before it is read.
+  // first row and rows; rows beyond `rows` are 0. Neither this nor c is zeroed whole (a serial
+  // pass over megabytes of fresh pages): the tiles write every element before it is read, and
+  // only c's padding rows, which finish's 16-row blocks may read unwritten, are zeroed.
   std::unique_ptr<int32_t[]> packed(new int32_t[pairs * mp]);
   std::vector<float> s(rows);
   const float* xf = x.data_ptr<float>();
