@@ -34,7 +34,8 @@ from _common import cpu_line, parse, parser, toy_model
 from bench_runtime import MODELS, RECIPES, TOY_SHAPES, random_layout
 from wscompress import compress, kernels, load
 from wscompress.io import data, storage
-from wscompress.model.modeling_wscompress import Int8Linear, round_tables
+from wscompress.model.forms.wscompress_narrow import Int8Linear
+from wscompress.model.forms.wscompress_palettized import round_tables
 
 TEXTS = ["builtin:wiki.test", "builtin:brown"]
 LAYOUTS = {  # label -> (index width, weights an index, table entries); tables per 64 rows
@@ -214,7 +215,7 @@ def compiled_profile(model, tokenizer, name: str, steps: int = 16) -> None:
 
 def layer_times(model, name: str) -> None:
     """Milliseconds of one batch-1 product of every palettized layer in turn."""
-    from wscompress.model.modeling_wscompress import PalettizedLinear
+    from wscompress.model.forms.wscompress_palettized import PalettizedLinear
 
     ops = torch.ops.wscompress
     mods = [m for m in model.modules() if isinstance(m, PalettizedLinear)]

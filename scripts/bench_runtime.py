@@ -102,7 +102,7 @@ def random_palettized(out: int, inp: int, stage: dict, gen: torch.Generator):
     random values, made on ``gen``'s device in seconds instead of clustering: the speed does not
     depend on the values."""
     from wscompress.methods.kmeans import KMeansConfig, group_size_of
-    from wscompress.model.modeling_wscompress import PalettizedLinear
+    from wscompress.model.forms.wscompress_palettized import PalettizedLinear
 
     cfg, device = KMeansConfig(**stage), gen.device
     kept = int(cfg.outliers * out * inp)
@@ -122,7 +122,7 @@ def random_layout(model, stage: dict) -> None:
     from wscompress.methods.kmeans import KMeansConfig
     from wscompress.model.arch import target_layers, tied_to_embeddings
     from wscompress.model.arch import replace_everywhere, weight_of
-    from wscompress.model.modeling_wscompress import PalettizedEmbedding
+    from wscompress.model.forms.wscompress_embeddings import PalettizedEmbedding
 
     gen = torch.Generator(next(model.parameters()).device).manual_seed(0)
     for module in target_layers(model, KMeansConfig(**stage)).values():

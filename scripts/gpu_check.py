@@ -51,7 +51,7 @@ from wscompress.evaluation.profile import copy_bandwidth  # noqa: E402
 from wscompress.io import storage, ui  # noqa: E402
 from wscompress.io.checkpoints import builtin_dir  # noqa: E402
 from wscompress.model.arch import replace_everywhere  # noqa: E402
-from wscompress.model.modeling_wscompress import LowRankLinear  # noqa: E402
+from wscompress.model.forms.wscompress_lowrank import LowRankLinear  # noqa: E402
 from wscompress.recipe.load import load_recipe  # noqa: E402
 from wscompress.workflow import step_calibrate, step_compress  # noqa: E402
 

@@ -237,7 +237,7 @@ def kernel_tolerance(model: torch.nn.Module) -> float:
     """The absolute tolerance between the kernels' logits and the torch path's: 1e-5, or 1e-4 where
     a palettized layer keeps weights aside with 16-bit values (the kernels add their corrections
     in float16, within 2^-12 of each, as ``SparseRows`` says)."""
-    from wscompress.model.modeling_wscompress import PalettizedLinear
+    from wscompress.model.forms.wscompress_palettized import PalettizedLinear
 
     aside = any(m.outliers and m.codebook_dtype != "float32" for m in model.modules() if isinstance(m, PalettizedLinear))
     return 1e-4 if aside else 1e-5

@@ -9,7 +9,7 @@ import wscompress
 from wscompress.errors import UsageError
 from wscompress.maths.allocation import Unit, allocate, spectrum
 from wscompress.model.arch import discover, get_module
-from wscompress.model.modeling_wscompress import LowRankLinear
+from wscompress.model.forms.wscompress_lowrank import LowRankLinear
 from wscompress.pipeline import calibration, layerwise
 
 from conftest import tiny_model

@@ -15,7 +15,7 @@ from wscompress.errors import UsageError
 from wscompress.io import data, storage
 from wscompress.methods.basis_sharing import relative
 from wscompress.model.arch import discover
-from wscompress.model.modeling_wscompress import LowRankLinear, SharedBasisLinear
+from wscompress.model.forms.wscompress_lowrank import LowRankLinear, SharedBasisLinear
 
 from conftest import (
     WIKI_TEST,

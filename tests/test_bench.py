@@ -33,8 +33,8 @@ def test_bench_compares_original_and_compressed(tmp_path, tiny_dir, tokenizer):
     assert all(row["original"] > 0 and row["compressed"] > 0 for row in out["table"])
     assert (tmp_path / "run" / "reports" / "bench.md").read_text().count("compressed/original") == 1
     assert out["kernels"]["original"] == "dense matmuls (torch)"
-    assert out["kernels"]["compressed"].startswith("low-rank: fused kernel for decoding" if kernels.lowrank()
-                                                   else "low-rank: two matmuls (torch)")
+    assert out["kernels"]["compressed"].startswith("LowRankLinear: fused kernel for decoding" if kernels.lowrank()
+                                                   else "LowRankLinear: two matmuls (torch)")
     assert rows["resident weights MB"]["compressed"] < rows["resident weights MB"]["original"]
     parts = {(r["model"], r["part"]): r for r in out["breakdown"]}  # where a decoded token's time goes
     assert {("original", "linears: dense"), ("compressed", "linears: low rank"), ("compressed", "head"),

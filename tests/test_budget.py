@@ -17,7 +17,8 @@ from wscompress.errors import UsageError
 from wscompress.io import storage
 from wscompress.maths.knapsack import choose
 from wscompress.methods.kmeans import MENU, KMeansConfig, layout_bytes, palettize
-from wscompress.model.modeling_wscompress import PalettizedLinear, VARIANT
+from wscompress.model.forms.wscompress_format import VARIANT
+from wscompress.model.forms.wscompress_palettized import PalettizedLinear
 from wscompress.recipe.load import load_recipe
 
 from conftest import tiny_model

@@ -61,7 +61,7 @@ def test_calibrated_low_rank_on_the_gpu_equals_the_cpu_result(tokenizer, stage):
 def test_palettized_model_decodes_with_the_triton_kernel(tokenizer, bits, granularity):
     """On a GPU, decoding goes through the Triton LUT kernel (not the weight torch decodes), in
     float16 and float32, and gives the reference path's logits and greedy tokens."""
-    from wscompress.model.modeling_wscompress import PalettizedLinear
+    from wscompress.model.forms.wscompress_palettized import PalettizedLinear
 
     model = tiny_model("llama")
     grouped = {"group_size": 16} if granularity == "grouped" else {}
@@ -156,7 +156,7 @@ def test_every_triton_launch_gives_the_reference_product(width, outliers, d, dty
     outliers folded in, for scalar tables and vectors of 2 and 4 weights (read as one integer
     where they fit one), a table per row or per 8 rows (gathered from by a program's rows), with row scales."""
     from wscompress.kernels import lut_triton
-    from wscompress.model.modeling_wscompress import SparseRows
+    from wscompress.model.forms.wscompress_palettized import SparseRows
 
     gen = torch.Generator().manual_seed(6)
     out_f, in_f, levels = 1000, 4096 + 128, 16 if width == 4 else 256

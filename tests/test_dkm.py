@@ -13,7 +13,7 @@ from wscompress.errors import UsageError
 from wscompress.evaluation.perplexity import perplexity
 from wscompress.io import data, storage
 from wscompress.maths.clustering import centroid_means, nearest
-from wscompress.model.modeling_wscompress import PalettizedLinear
+from wscompress.model.forms.wscompress_palettized import PalettizedLinear
 from wscompress.recipe.load import load_recipe
 from wscompress.recipe.schema import DKMConfig
 from wscompress.recovery.dkm import DKMLinear, kmeans_stage, prepare_dkm

@@ -10,6 +10,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs"
 MAX_LINES = 300
+README_LINES = 130  # a two-minute read: reference and measured tables go to docs/
 
 LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 FENCE = re.compile(r"^(```|~~~).*?^\1\s*$", re.M | re.S)
@@ -69,6 +70,11 @@ def test_top_level_doc_fits(doc):
     lines = len(doc.read_text(encoding="utf-8").splitlines())
     assert lines <= MAX_LINES, (f"{doc.name} has {lines} lines (at most {MAX_LINES}): move dated, "
                                 f"superseded sections to docs/history/")
+
+
+def test_the_readme_is_a_two_minute_read():
+    lines = len((REPO / "README.md").read_text(encoding="utf-8").splitlines())
+    assert lines <= README_LINES, f"README.md has {lines} lines (at most {README_LINES}): move reference to docs/"
 
 
 def test_every_top_level_doc_is_reachable_from_the_readme_or_another_doc():

@@ -7,7 +7,7 @@ from transformers import AutoModelForCausalLM
 from wscompress import compress
 from wscompress.errors import UsageError
 from wscompress.io import storage
-from wscompress.model.modeling_wscompress import FactorizedEmbedding, FactorizedLMHead
+from wscompress.model.forms.wscompress_embeddings import FactorizedEmbedding, FactorizedLMHead
 
 from conftest import assert_roundtrip, tiny_model
 
@@ -97,10 +97,10 @@ def test_narrow_head_is_stored_once_and_computes_as_its_rounded_weights(kind, st
     saves, and a dense export gives stock transformers the same model."""
     from wscompress import kernels
     from wscompress.evaluation.bench import kernel_path
-    from wscompress.model import modeling_wscompress
-    from wscompress.model.modeling_wscompress import PalettizedEmbedding
+    from wscompress.model.forms.wscompress_format import LAYERS
+    from wscompress.model.forms.wscompress_embeddings import PalettizedEmbedding
 
-    form, nbytes = getattr(modeling_wscompress, STORED[stage][0]), STORED[stage][1]
+    form, nbytes = LAYERS[STORED[stage][0]], STORED[stage][1]
     model = tiny_model(kind)
     tied = model.config.tie_word_embeddings
     w = model.get_output_embeddings().weight.detach().clone()
@@ -117,7 +117,8 @@ def test_narrow_head_is_stored_once_and_computes_as_its_rounded_weights(kind, st
     assert isinstance(emb, PalettizedEmbedding) and emb.table is head if tied else isinstance(emb, torch.nn.Embedding)
     assert storage.stats(model)["tensor_bytes"] == before - 512 * 64 * 4 + nbytes
     assert storage.stats(model)["params"] == params  # the same weights, in fewer bits (not also the scales)
-    assert "float16/int8 layers: kernel" in kernel_path(model) or kernels.lowrank() is None  # what bench reports
+    said = kernel_path(model)  # what bench reports: each form's own account
+    assert f"{form.__name__}: kernel with float32 sums" in said or kernels.lowrank() is None and "(torch)" in said
     with torch.no_grad():
         torch.testing.assert_close(model(x).logits, rounded, rtol=1e-5, atol=1e-5)
         out = model(x, use_cache=True)  # a decode step (one row a sequence) on the kernel path
@@ -143,7 +144,7 @@ def test_narrow_head_is_stored_once_and_computes_as_its_rounded_weights(kind, st
 def test_int8_is_exact_on_a_weight_already_on_its_grid_and_refuses_widths_it_cannot_block():
     """A weight that is int8 values times a float16 scale per 32 (a Q8_0 checkpoint's) comes back
     exactly; a head whose width is no multiple of 32 is refused before any work, naming ``half``."""
-    from wscompress.model.modeling_wscompress import Int8Linear
+    from wscompress.model.forms.wscompress_narrow import Int8Linear
 
     gen = torch.Generator().manual_seed(0)
     q = torch.randint(-127, 128, (96, 64), generator=gen).float()

@@ -1,12 +1,13 @@
 """A compressed form and a method that changes layers' shapes, added as a new one is: each form a
-class (here in this file; in the package, in model/modeling_wscompress.py), each method a config
+class (here in this file; in the package, a file of model/forms/), each method a config
 and an ``apply`` (here too; in the package, a file in methods/), registered for the test, run,
 loaded back through ``check_three_loads`` and unregistered after. Nothing else names them: loading
 reads what a form declares from its class (constructor arguments from its type hints, its value
 checks, the children a later stage may target), and a form that changes a layer's shape keeps the
 dense shape of the module it replaces (the base architecture is rebuilt from one config) while its
-own arguments carry the per-layer sizes. These forms are not in the travelling file, so their
-folders load in-process only (docs/architecture.md)."""
+own arguments carry the per-layer sizes. ``Int8RowsLinear`` and ``PrunedLinear`` are not in a
+travelling file, so their folders load in-process only; ``Q4BlocksLinear`` is a file of its own
+beside the format's, so its folders carry it (docs/architecture.md)."""
 
 from __future__ import annotations
 
@@ -22,10 +23,11 @@ from torch import nn
 
 import wscompress
 from wscompress.errors import UsageError
+from wscompress.evaluation.bench import kernel_path
 from wscompress.io import storage
 from wscompress.methods import METHODS, register
 from wscompress.model.arch import discover, get_module, replace_everywhere, set_module, target_layers
-from wscompress.model.modeling_wscompress import LAYERS, CompressedLinear, corrupt, register_layer, weight_of
+from wscompress.model.forms.wscompress_format import LAYERS, CompressedLinear, corrupt, register_layer, weight_of
 from wscompress.recipe.load import load_recipe
 from wscompress.recipe.schema import StageConfig, TargetedStage
 from wscompress.workflow import check_structure
@@ -171,6 +173,97 @@ def test_a_form_added_from_outside_loads_back(registered, tokenizer, tmp_path, r
     assert ((layer.dense_weight() - dense).abs() <= layer.scale.float()[:, None] / 2 + 1e-7).all()  # rounding only
     storage.save(model, tokenizer, tmp_path / "int8_rows")
     check_three_loads(tmp_path / "int8_rows", logits_of(model), remote)
+
+
+# A form that travels: a file of its own beside the format's (here in a temporary folder on the
+# forms package's path; in the package, a file in model/forms/), importing the format relatively
+Q4_BLOCKS = '''"""Q4_0-like blocks: each run of 32 weights of a row as int4 values times one float16 scale."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .wscompress_format import CompressedLinear, register_layer
+
+
+@register_layer
+class Q4BlocksLinear(CompressedLinear):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("nibbles", torch.empty(out_features, in_features // 2, dtype=torch.uint8))
+        self.register_buffer("scale_bits", torch.empty(out_features, in_features // 32, dtype=torch.int16))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    @classmethod
+    def check_spec(cls, **spec) -> str | None:
+        return f"in_features={spec['in_features']} is no multiple of 32" if spec["in_features"] % 32 else None
+
+    @classmethod
+    def from_weight(cls, w: torch.Tensor, bias: torch.Tensor | None) -> Q4BlocksLinear:
+        layer = cls(w.shape[1], w.shape[0], bias is not None)
+        blocks = w.detach().float().unflatten(1, (-1, 32))
+        scale = (blocks.abs().amax(-1) / 7).clamp_min(2**-14).half()
+        q = (blocks / scale.float()[..., None]).round().clamp(-8, 7).to(torch.int64).flatten(1) + 8
+        layer.nibbles, layer.scale_bits = (q[:, 0::2] | q[:, 1::2] << 4).to(torch.uint8), scale.view(torch.int16)
+        if bias is not None:
+            layer.bias = nn.Parameter(bias.detach().clone())
+        return layer.to(w.device)
+
+    def dense_weight(self) -> torch.Tensor:
+        q = torch.stack([self.nibbles & 15, self.nibbles >> 4], -1).flatten(1).float() - 8
+        return (q.unflatten(1, (-1, 32)) * self.scale_bits.view(torch.float16).float()[..., None]).flatten(1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.dense_weight().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+
+    def spec(self) -> dict:
+        return {"in_features": self.in_features, "out_features": self.out_features, "bias": self.bias is not None}
+'''
+
+
+class Q4BlocksConfig(TargetedStage):
+    method: Literal["q4_blocks"] = "q4_blocks"
+
+    def check(self, model: nn.Module) -> None:
+        target_layers(model, self)
+
+
+def test_a_form_in_a_file_of_its_own_travels_with_its_folders(tokenizer, tmp_path, remote):
+    """A new form is its own file beside the format's and one method: nothing else names it, and
+    its folders carry its file, so they load the three ways, trust_remote_code without wscompress too."""
+    import importlib
+    import sys
+
+    from wscompress.model import forms
+
+    (tmp_path / "forms").mkdir()
+    (tmp_path / "forms" / "wscompress_q4blocks.py").write_text(Q4_BLOCKS)
+    forms.__path__.append(str(tmp_path / "forms"))
+    try:
+        form = importlib.import_module("wscompress.model.forms.wscompress_q4blocks").Q4BlocksLinear
+
+        @torch.no_grad()
+        def q4_blocks(model: nn.Module, cfg: Q4BlocksConfig, ctx) -> dict:
+            for module in target_layers(model, cfg).values():
+                replace_everywhere(model, module, form.from_weight(weight_of(module), module.bias))
+            return {}
+
+        register(Q4BlocksConfig)(q4_blocks)
+        model = tiny_model("llama")
+        wscompress.compress(model, [{"method": "q4_blocks"}, {"method": "int8"}], tokenizer, CALIBRATION)
+        assert sum(isinstance(m, form) for m in model.modules()) == 4 * 7
+        storage.save(model, tokenizer, tmp_path / "q4")
+        assert (tmp_path / "q4" / "wscompress_q4blocks.py").read_text() == Q4_BLOCKS
+        assert "Q4BlocksLinear: torch (28 layers)" in kernel_path(model)  # a form without a kernel says so
+        check_three_loads(tmp_path / "q4", logits_of(model), remote)
+    finally:
+        forms.__path__.remove(str(tmp_path / "forms"))
+        LAYERS.pop("Q4BlocksLinear", None)
+        METHODS.pop("q4_blocks", None)
+        sys.modules.pop("wscompress.model.forms.wscompress_q4blocks", None)
 
 
 def test_a_method_with_per_layer_shapes_loads_back_and_exports_dense(registered, tokenizer, tmp_path, remote):

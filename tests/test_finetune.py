@@ -8,7 +8,7 @@ import torch
 from wscompress import compress
 from wscompress.errors import UsageError
 from wscompress.io import data
-from wscompress.model.modeling_wscompress import LowRankLinear
+from wscompress.model.forms.wscompress_lowrank import LowRankLinear
 from wscompress.recipe.load import load_recipe
 from wscompress.recovery.finetune import finetune, lora_target_names
 

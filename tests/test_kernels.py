@@ -13,7 +13,8 @@ import torch.nn.functional as F
 import wscompress
 from wscompress import kernels
 from wscompress.maths.clustering import cluster
-from wscompress.model.modeling_wscompress import DECODE_ROWS, KERNELS, PalettizedLinear, dequantize
+from wscompress.model.forms.wscompress_format import DECODE_ROWS, KERNELS
+from wscompress.model.forms.wscompress_palettized import PalettizedLinear, dequantize
 
 from conftest import tiny_model
 
@@ -123,7 +124,7 @@ def test_the_6_bit_operators_equal_the_byte_ones(rows, inp):
     """Every operator reads pairs' 6-bit indices as stored (four in three bytes) exactly as it
     reads the same indices a byte each: float products, dense decodes (float and int8) and,
     where the build has them, byte products."""
-    from wscompress.model.modeling_wscompress import pack, round_tables
+    from wscompress.model.forms.wscompress_palettized import pack, round_tables
 
     gen = torch.Generator().manual_seed(3)
     idx = torch.randint(0, 64, (48, inp // 2), generator=gen)
@@ -572,7 +573,7 @@ def test_each_cpu_builds_its_own_kernels(monkeypatch):
 @pytest.mark.parametrize("bias", [False, True])
 def test_lowrank_kernel_equals_the_two_matmuls(rows, bias):
     """Odd sizes (rank 13, in 70, out 37) exercise the vector loops' tails and the row remainders."""
-    from wscompress.model.modeling_wscompress import LowRankLinear
+    from wscompress.model.forms.wscompress_lowrank import LowRankLinear
 
     torch.manual_seed(rows)
     lin = LowRankLinear(70, 37, 13, bias=bias)
@@ -595,7 +596,7 @@ def test_half_weights_multiply_into_float32_sums(rows, inp):
     float32, for decoding (up to 8 rows; 70 leaves a tail, 1152 float16 columns are a row of
     more than a page, which skips the prefetches); longer inputs and gradients take the layer's
     torch path."""
-    from wscompress.model.modeling_wscompress import HalfLinear
+    from wscompress.model.forms.wscompress_narrow import HalfLinear
 
     torch.manual_seed(rows)
     w, bias, x = torch.randn(37, inp), torch.randn(37), torch.randn(rows, inp)
@@ -619,7 +620,7 @@ def test_int8_blocks_multiply_into_float32_sums(rows, inp):
     """Int8 weights with a float16 scale per 32 (Int8Linear) times float32 rows: the product of the
     stored values in float32, for decoding (up to 8 rows; 37 rows leave a remainder of the kernel's
     4-row step; 4096 columns skip the prefetches); longer inputs and gradients take the torch path."""
-    from wscompress.model.modeling_wscompress import Int8Linear
+    from wscompress.model.forms.wscompress_narrow import Int8Linear
 
     torch.manual_seed(rows)
     w, bias, x = torch.randn(37, inp), torch.randn(37), torch.randn(rows, inp)
@@ -688,8 +689,8 @@ import torch.nn.functional as F
 from test_kernels import layer
 from wscompress import kernels
 from wscompress.kernels import lut_triton
-from wscompress.model import modeling_wscompress
-from wscompress.model.modeling_wscompress import DECODE_ROWS
+from wscompress.model.forms import wscompress_palettized
+from wscompress.model.forms.wscompress_format import DECODE_ROWS
 
 import triton
 import triton.language as tl
@@ -710,7 +711,7 @@ except Exception as err:
     sys.exit()
 kernels._triton_path = lambda x: True  # route layers to the Triton kernel on CPU tensors
 kernels._load_triton = lambda: (lut_triton, "interpreted")
-modeling_wscompress.SIX_BIT_PAIRS = ()  # and lay them out as for a GPU
+wscompress_palettized.SIX_BIT_PAIRS = ()  # and lay them out as for a GPU
 for bits, group_size, outliers, d, scaled in [(4, 1, 0, 1, False), (4, 16, 5, 1, True), (3, 1, 7, 1, False),
                                               (2, 8, 0, 1, False), (5, 1, 3, 1, False), (8, 4, 0, 1, True),
                                               (6, 48, 0, 1, False), (8, 16, 6, 2, True), (6, 8, 0, 2, False),

@@ -15,7 +15,7 @@ from wscompress.errors import UsageError
 from wscompress.io import storage
 from wscompress.maths import clustering
 from wscompress.maths.clustering import cluster
-from wscompress.model.modeling_wscompress import PalettizedLinear
+from wscompress.model.forms.wscompress_palettized import PalettizedLinear
 from wscompress.recipe.load import load_recipe
 from wscompress.recovery.finetune import finetune
 
@@ -282,7 +282,7 @@ def test_tied_embedding_and_head_are_one_palettized_table(tokenizer, tmp_path, o
     and a dense export gives stock transformers the same model."""
     from transformers import AutoModelForCausalLM
 
-    from wscompress.model.modeling_wscompress import PalettizedEmbedding
+    from wscompress.model.forms.wscompress_embeddings import PalettizedEmbedding
 
     model = tiny_model("llama")  # tied
     stage = {"method": "kmeans", "bits": 4, "targets": ["lm_head", r"layers\.0\.mlp"], "outliers": outliers}
@@ -478,3 +478,23 @@ def test_refit_brings_real_layers_closer_to_the_original(smollm2):
         errors[refit] = [hidden_state_error(short, original, t) for t in texts]
     for text in (0, 1):
         assert errors[True][text] < errors[False][text]
+
+
+@pytest.mark.parametrize("refit, bar", [(False, "kmeans 8-bit: matrices"), (True, "kmeans 8-bit: decoder layers clustered and refit")])
+def test_progress_shows_the_work_done(refit, bar, monkeypatch, tokenizer):
+    """One-shot k-means draws a bar that counts what it does (matrices, or the refit pass's decoder
+    layers) with a time estimate, and no empty bar."""
+    import io
+
+    from rich.console import Console
+
+    from wscompress.io import ui
+
+    out = io.StringIO()
+    monkeypatch.setattr(ui, "console", Console(file=out, width=160, force_terminal=True, color_system=None))
+    monkeypatch.setattr(ui, "QUIET", False)
+    wscompress.compress(tiny_model("llama"), [{"method": "kmeans", "bits": 8, "refit": refit, "sensitivity": "none",
+                                    "error_feedback": False}], tokenizer,
+             {"dataset": "pydoc", "num_samples": 4, "seq_len": 32, "batch_size": 4})
+    text = out.getvalue()
+    assert bar in text and ("28/28" if not refit else "4/4") in text and "0/0" not in text, text[-500:]

@@ -72,7 +72,10 @@ STAGED = {"basis_sharing_refit": [{"method": "basis_sharing", "ratio": 0.3, "sen
           "basis_sharing_refit_function": RECIPES["basis_sharing_refit"],
           "kmeans_refit": [{"method": "kmeans", "bits": 3}],
           # then k-means on the bases and coefficients:
-          "basis_sharing_kmeans": RECIPES["basis_sharing_uniform"] + [{"method": "kmeans", "bits": 4}]}
+          "basis_sharing_kmeans": RECIPES["basis_sharing_uniform"] + [{"method": "kmeans", "bits": 4}],
+          # int8 reads its targets through the same layer-by-layer walk (pipeline.layerwise.replace_each)
+          "kmeans_mlp_int8_attention": [{"method": "kmeans", "bits": 3, "targets": ["mlp"]},
+                                        {"method": "int8", "targets": ["self_attn"]}]}
 
 
 @pytest.mark.parametrize("name", list(STAGED))

@@ -8,16 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from wscompress.model.modeling_wscompress import (
-    BLOCK,
-    entropy,
-    huffman_decode,
-    huffman_encode,
-    huffman_lengths,
-    pack,
-    packed_nbytes,
-    unpack,
-)
+from wscompress.model.forms.wscompress_palettized import (BLOCK, entropy, huffman_decode, huffman_encode, huffman_lengths, pack,
+                                                          packed_nbytes, unpack)
 
 
 @pytest.mark.parametrize("bits", range(1, 9))

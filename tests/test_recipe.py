@@ -33,7 +33,7 @@ def test_unknown_key_names_file_key_and_fix(tmp_path):
 
 def test_unknown_section(tmp_path):
     msg = error_of(tmp_path, {"modle": {}})
-    assert "modle" in msg and "sections:" in msg
+    assert "modle" in msg and "keys of the recipe: name, seed, model" in msg
 
 
 def test_wrong_type(tmp_path):
@@ -76,7 +76,23 @@ def test_stage_options_validated_by_method(tmp_path):
 
     name = sorted(METHODS)[0]
     msg = error_of(tmp_path, {"compress": [{"method": name, "no_such_option": 1}]})
-    assert "compress.0.no_such_option" in msg and f"keys of method {name!r}" in msg
+    assert "compress.0.no_such_option" in msg and f"keys of compress.0 (method {name!r})" in msg
+
+
+@pytest.mark.parametrize("override, fix", [
+    ("finetune.dkm.no_such_option=1", "keys of finetune.dkm: bits, granularity"),
+    ("model.offload=tape", "model.offload takes one of: 'none', 'cpu', 'disk'"),
+    ("calibration.dtype=int3", "calibration.dtype takes one of: 'auto', 'float32'"),
+    ("output.max_shard_size=big", "output.max_shard_size: largest weights file"),
+    ("eval.max_windows=-1", "eval.max_windows: evaluate only the first N windows"),
+    ("finetune.distill.kl=-2", "finetune.distill.kl: weight of KL"),
+    ("compress.0.budget.size=1", "keys of compress.0.budget: bits_per_weight, bytes"),
+    ("no_section=1", "keys of the recipe: name, seed, model"),
+])
+def test_a_nested_mistake_names_the_fix_of_its_own_section(tmp_path, override, fix):
+    """The fix names the keys of the section holding an unknown key, or the values the wrong key takes."""
+    msg = error_of(tmp_path, {"compress": [{"method": "kmeans", "bits": 4}]}, [override])
+    assert f"fix: {fix}" in msg, msg
 
 
 def test_overrides(tmp_path):

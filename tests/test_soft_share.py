@@ -14,7 +14,7 @@ from wscompress.methods import METHODS
 from wscompress.methods._sharing import aligned_weights, alignment, ffn_names
 from wscompress.methods.soft_share import shared_plus_deltas
 from wscompress.model.arch import dims_of, discover, set_module
-from wscompress.model.modeling_wscompress import LowRankDeltaLinear
+from wscompress.model.forms.wscompress_lowrank import LowRankDeltaLinear
 from wscompress.pipeline import calibration
 from wscompress.recipe.load import load_recipe
 from wscompress.recovery.finetune import finetune

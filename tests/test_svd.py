@@ -9,7 +9,7 @@ import wscompress
 from wscompress.errors import UsageError
 from wscompress.io import data, storage
 from wscompress.maths.linalg import low_rank, rank_for_ratio, refit_coefficients, truncation_by_iteration, whitening
-from wscompress.model.modeling_wscompress import LowRankLinear
+from wscompress.model.forms.wscompress_lowrank import LowRankLinear
 
 from conftest import WIKI_TEST, tiny_model
 

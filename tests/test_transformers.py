@@ -21,8 +21,8 @@ from safetensors.torch import load_file, save_file
 
 import wscompress
 from wscompress.io import storage
-from wscompress.model import modeling_wscompress
-from wscompress.model.modeling_wscompress import CompressedLayer
+from wscompress.model.forms import wscompress_format
+from wscompress.model.forms.wscompress_format import CompressedLayer
 
 from conftest import REPO, kernel_tolerance, tiny_model
 
@@ -194,14 +194,14 @@ def check_three_loads(folder: Path, saved: torch.Tensor, remote: RemoteLoads) ->
 
     ours, _ = wscompress.load(folder, device="cpu")
     stock = AutoModelForCausalLM.from_pretrained(folder)
-    assert type(stock).__mro__[1] is modeling_wscompress.WSCompressForCausalLM
+    assert type(stock).__mro__[1] is wscompress_format.WSCompressForCausalLM
     for got in (logits_of(ours), logits_of(stock)):
         torch.testing.assert_close(got, saved, rtol=1e-5, atol=1e-5)
     layers = [m for m in stock.modules() if isinstance(m, CompressedLayer)]
-    if all(type(m).__module__ == modeling_wscompress.__name__ for m in layers):  # no kernels there
+    if all(wscompress_format.travels(type(m)) for m in layers):  # no kernels there
         torch.testing.assert_close(remote.logits(folder), saved, rtol=1e-5, atol=kernel_tolerance(stock))
     assert storage.stats(stock) == storage.stats(ours)
-    assert modeling_wscompress.module_aliases(stock) == modeling_wscompress.module_aliases(ours)
+    assert wscompress_format.module_aliases(stock) == wscompress_format.module_aliases(ours)
     for layer in layers:
         assert {n for n, _ in layer.named_children()} == set(type(layer).CHILDREN), type(layer).__name__
     return stock
@@ -218,18 +218,38 @@ def test_folder_holds_the_compressed_weights_and_its_code(folders):
     config = json.loads((folder / "config.json").read_text())
     assert config["model_type"] == "wscompress" and config["auto_map"]["AutoModelForCausalLM"].startswith("modeling_wscompress.")
     assert config["base_config"]["model_type"] == "llama"
-    assert (folder / "modeling_wscompress.py").read_bytes() == (REPO / "wscompress" / "model" / "modeling_wscompress.py").read_bytes()
     keys = load_file(folder / storage.WEIGHTS).keys()
     assert not any(k.endswith("q_proj.weight") for k in keys)  # no dense projection in the file
     assert sum(k.endswith("q_proj.basis.codebook") for k in keys) == 2  # 4 layers in groups of 2: each basis once
 
 
-def test_the_travelling_code_imports_nothing_of_wscompress():
+TRAVELLING = sorted(p.name for p in (REPO / "wscompress" / "model" / "forms").glob("wscompress_*.py"))
+
+
+def test_a_folder_carries_the_files_of_the_forms_it_uses(folders):
+    """A folder holds the format's file, the file of each family of forms its layers use (byte for
+    byte the package's) and none other, and the entry file importing them relatively, as
+    transformers' remote code needs to copy them beside it."""
+    from transformers.dynamic_module_utils import get_relative_import_files
+
+    for form, families in (("basis_sharing_then_kmeans", {"lowrank", "palettized"}), ("int8_embeddings",
+                           {"palettized", "narrow", "embeddings"}), ("cross_layer", set())):
+        folder = folders[form][0]
+        carried = {p.name for p in folder.glob("*.py")}
+        assert carried == {"modeling_wscompress.py", "wscompress_format.py", *(f"wscompress_{f}.py" for f in families)}
+        for name in carried - {"modeling_wscompress.py"}:
+            assert (folder / name).read_bytes() == (REPO / "wscompress" / "model" / "forms" / name).read_bytes(), name
+        imported = {Path(f).name for f in get_relative_import_files(folder / "modeling_wscompress.py")}
+        assert imported == carried - {"modeling_wscompress.py"}
+
+
+@pytest.mark.parametrize("name", TRAVELLING)
+def test_the_travelling_code_imports_nothing_of_wscompress(name):
     """transformers checks a remote module's imports before running it: only torch, transformers, numpy."""
     from transformers.dynamic_module_utils import get_imports
 
-    packages = set(get_imports(REPO / "wscompress" / "model" / "modeling_wscompress.py")) - set(sys.stdlib_module_names)
-    assert packages == {"torch", "transformers", "numpy"}
+    packages = set(get_imports(REPO / "wscompress" / "model" / "forms" / name)) - set(sys.stdlib_module_names)
+    assert packages <= {"torch", "transformers", "numpy"} and "torch" in packages
 
 
 def test_kernels_are_in_use_after_import(folders):
@@ -237,7 +257,7 @@ def test_kernels_are_in_use_after_import(folders):
 
     from wscompress import kernels
 
-    assert modeling_wscompress.KERNELS["palettized"] is kernels.palettized_linear
+    assert wscompress_format.KERNELS["palettized"] is kernels.palettized_linear
     stock = AutoModelForCausalLM.from_pretrained(folders["palettized_scalar"][0])
     layer = stock.model.layers[0].mlp.down_proj
     if kernels.lut() is None:
@@ -293,7 +313,7 @@ def test_a_model_compressed_in_memory_saves_as_a_compressed_folder(tmp_path, tok
 
     model = tiny_model("llama")
     wscompress.compress(model, [{"method": "svd", "ratio": 0.3}, {"method": "kmeans", "bits": 4}], tokenizer, CALIBRATION)
-    assert isinstance(model, modeling_wscompress.WSCompressForCausalLM) and model.config.model_type == "wscompress"
+    assert isinstance(model, wscompress_format.WSCompressForCausalLM) and model.config.model_type == "wscompress"
     model.save_pretrained(tmp_path / "m")
     torch.testing.assert_close(logits_of(AutoModelForCausalLM.from_pretrained(tmp_path / "m")), logits_of(model))
 

@@ -21,7 +21,7 @@ if _os.path.basename(getattr(_sys, "argv", [""])[0]) == "wscompress":
 
 from . import kernels  # noqa: E402,F401  (registers the kernels with the compressed layers)
 from .evaluation import step_cache as _step_cache  # noqa: E402,F401  (registers generate()'s cached compiled step)
-from .model.modeling_wscompress import register as _register  # noqa: E402
+from .model.forms.wscompress_format import register as _register  # noqa: E402
 
 _register()
 

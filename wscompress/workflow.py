@@ -92,12 +92,16 @@ def check_finetune(recipe: Recipe) -> None:
 
 def check_structure(model: nn.Module, recipe: Recipe, stages: list, finetune: FinetuneConfig | None,
                     sections: set[Section]) -> None:
-    """Options against the model's structure: the first stage's exactly, a later stage's against
-    the structure it starts from as far as it can be known beforehand (its target patterns may
-    name the children the stages before it create, e.g. ``coeff``); the fine-tuning targets
+    """Options against the model's structure: every stage's exactly (its ``check``) where the
+    structure it starts from is known beforehand: the first stage's, and a later targeted stage's
+    whose targets are modules of the original model that no stage before it replaces, after
+    targeted stages only (they replace just what they target). Another later stage (its targets
+    name what an earlier stage creates, e.g. ``coeff``, whose shapes that stage's work decides,
+    or it follows a stage that rebuilds layers) has its target patterns matched against the
+    names it may meet here, and its full check runs as it starts. The fine-tuning targets
     likewise; and no sequence longer than the model's positions."""
     from .model.arch import match_modules
-    from .model.modeling_wscompress import LAYERS
+    from .model.forms.wscompress_format import LAYERS
     from .recipe.schema import TargetedStage
 
     if stages and not savable(model):
@@ -107,11 +111,14 @@ def check_structure(model: nn.Module, recipe: Recipe, stages: list, finetune: Fi
     names = [n for n, _ in model.named_modules()]
     children = sorted({c for layer in LAYERS.values() for c in layer.CHILDREN})  # what each form declares it holds
     later = names + [f"{n}.{c}" for n in names for c in children]
+    replaced: set[str] | None = set()  # what the stages so far replace (None: not known beforehand)
     for i, stage in enumerate(stages):
-        if i == 0 or not isinstance(stage, TargetedStage):
-            stage.check(model)
+        targets = _targets(model, stage) if isinstance(stage, TargetedStage) else None
+        if i == 0 or replaced is not None and targets is not None and not targets & replaced:
+            stage.check(model)  # it starts from the original structure where it reads it
         else:
             _names_match(later, stage.targets, f"compress.{i}.targets")
+        replaced = None if replaced is None or targets is None else replaced | targets
     if finetune is not None:
         patterns, what = (finetune.lora.targets, "finetune.lora.targets") if finetune.mode == "lora" else \
             (finetune.dkm.targets, "finetune.dkm.targets")
@@ -127,6 +134,17 @@ def check_structure(model: nn.Module, recipe: Recipe, stages: list, finetune: Fi
         if positions and length > positions:
             raise UsageError(f"{key} {length} exceeds the {positions} positions the model has",
                              f"use a {key.split('.')[1]} of at most {positions}")
+
+
+def _targets(model: nn.Module, stage) -> set[str] | None:
+    """The original modules a targeted stage replaces, or None where its patterns name modules
+    the original does not have (a form's child, made by an earlier stage)."""
+    from .model.arch import target_layers
+
+    try:
+        return set(target_layers(model, stage))
+    except UsageError:
+        return None
 
 
 def _names_match(names: list[str], patterns: list[str], what: str) -> None:
@@ -155,7 +173,7 @@ def apply_stages(model: nn.Module, tokenizer, recipe: Recipe, workdir: str | Pat
     """Run every compress stage in order on ``model`` (in place); one report row per stage.
     Statistics a stage computes for itself go to a scratch folder in ``workdir``."""
     from .methods import METHODS
-    from .model.modeling_wscompress import adopt
+    from .model.forms.wscompress_format import adopt
 
     ctx = Context(recipe.calibration, tokenizer, workdir, stats_dir(recipe))
     rows = []
@@ -186,7 +204,7 @@ def savable(model: nn.Module) -> bool:
     architecture transformers ships (the folder names it for loading)."""
     from transformers import PreTrainedModel
 
-    from .model.modeling_wscompress import family
+    from .model.forms.wscompress_format import family
 
     if not isinstance(model, PreTrainedModel):
         return False

@@ -24,7 +24,7 @@ from wscompress.io.checkpoints import load_model
 from wscompress.methods.kmeans import every_use, palettize
 from wscompress.model.arch import target_layers
 from wscompress.model.arch import weight_of
-from wscompress.model.modeling_wscompress import PalettizedLinear
+from wscompress.model.forms.wscompress_palettized import PalettizedLinear
 from wscompress.pipeline.context import Context
 from wscompress.pipeline.stats import SharedGrams
 from wscompress.recipe.load import load_recipe

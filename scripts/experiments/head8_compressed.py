@@ -25,7 +25,7 @@ from bench_runtime import HEAD_8BIT  # noqa: E402
 
 import wscompress  # noqa: E402
 from wscompress.evaluation.perplexity import evaluate_text  # noqa: E402
-from wscompress.model.modeling_wscompress import INT8_BLOCK  # noqa: E402
+from wscompress.model.forms.wscompress_narrow import INT8_BLOCK  # noqa: E402
 
 args = [a for a in sys.argv[1:] if a != "--off-grid"]
 choice = args[1] if len(args) > 1 else "int8"

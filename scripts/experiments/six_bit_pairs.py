@@ -20,7 +20,7 @@ from peers_llamacpp import SHAPES, TINY, random_model  # noqa: E402
 from wscompress import compress  # noqa: E402
 from wscompress.evaluation.decode import StaticDecoder  # noqa: E402
 from wscompress.io import storage  # noqa: E402
-from wscompress.model import modeling_wscompress  # noqa: E402
+from wscompress.model.forms import wscompress_palettized  # noqa: E402
 
 shape = {**SHAPES["tinyllama"], **(TINY if "--tiny" in sys.argv else {})}
 stages = MODELS["configs/kmeans_3bit.yaml layout + float16 tied embedding/head"]
@@ -28,7 +28,7 @@ gen = torch.Generator().manual_seed(1)
 prompt, prefill = torch.randint(1000, 20000, (1, 32), generator=gen), torch.randint(1000, 20000, (1, 128), generator=gen)
 models, decoders = {}, {}
 for label, devices in (("6-bit as stored", ("cpu",)), ("byte a pair (before)", ())):
-    modeling_wscompress.SIX_BIT_PAIRS = devices  # read when a layer first builds its kernel layout
+    wscompress_palettized.SIX_BIT_PAIRS = devices  # read when a layer first builds its kernel layout
     model = random_model(shape)
     random_layout(model, stages[0])
     compress(model, stages[1:])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
@@ -118,30 +119,15 @@ def measure(model_cfg: ModelConfig, cfg: BenchConfig, quiet: bool = False) -> di
 
 
 def kernel_path(model: nn.Module) -> str:
-    """How the model's compressed layers compute, in words (for the report)."""
+    """How the model's compressed layers compute, in words (for the report): each form's own
+    account (``compute_path``) with the number of layers it holds for, and the kernels' build."""
     from .. import kernels
-    from ..model.modeling_wscompress import LowRankLinear, NarrowLinear, PalettizedLinear
+    from ..model.forms.wscompress_format import CompressedLayer
 
-    cpu = model_device(model).type == "cpu"
-    parts = []
-    pal = [m for m in model.modules() if isinstance(m, PalettizedLinear)]
-    if pal and not cpu and kernels.lut_gpu() is not None:
-        parts.append("palettized: LUT kernel (Triton) for decoding, weight materialised for prefill")
-    elif pal and (not cpu or kernels.lut() is None):
-        parts.append(f"palettized: weight materialised per forward (torch; {kernels.status()})")
-    elif pal:
-        layouts = [layout for m in pal if (layout := m.kernel_layout()) is not None]
-        q8 = sum(layout.rounded is not None and kernels.q8(layout.width) for layout in layouts)
-        parts.append(f"palettized: LUT kernel on {len(layouts)}/{len(pal)} layers ({q8} of them decoding on 8-bit "
-                     f"activations), the rest torch")
-    if any(isinstance(m, LowRankLinear) for m in model.modules()):
-        fused = cpu and kernels.lowrank() is not None
-        parts.append("low-rank: fused kernel for decoding, BLAS for prefill" if fused else "low-rank: two matmuls (torch)")
-    if any(isinstance(m, NarrowLinear) for m in model.modules()):
-        fused = cpu and kernels.lowrank() is not None
-        parts.append("float16/int8 layers: kernel with float32 sums for decoding, BLAS on converted slices for prefill"
-                     if fused else "float16/int8 layers: weight converted per forward (torch)")
-    return "; ".join(parts) + f" [{kernels.status()}]" if parts else "dense matmuls (torch)"
+    layers = {id(m): m for m in model.modules() if isinstance(m, CompressedLayer)}.values()
+    paths = Counter(f"{type(m).__name__}: {m.compute_path()}" for m in layers)
+    return "; ".join(f"{path} ({n} layers)" for path, n in paths.items()) + f" [{kernels.status()}]" if paths \
+        else "dense matmuls (torch)"
 
 
 def comparison_rows(results: dict[str, dict]) -> list[dict]:

@@ -17,7 +17,9 @@ import torch
 from torch import nn
 
 from ..io.storage import resident_bytes
-from ..model.modeling_wscompress import CompressedLinear, LowRankLinear, PalettizedLinear
+from ..model.forms.wscompress_format import CompressedLinear
+from ..model.forms.wscompress_lowrank import LowRankLinear
+from ..model.forms.wscompress_palettized import PalettizedLinear
 
 STEPS = 8  # decode steps timed (after as many warm-up steps)
 REST = "rest (framework: Python, dispatch, ops between modules)"

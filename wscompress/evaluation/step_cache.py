@@ -49,12 +49,12 @@ import torch
 from torch import nn
 
 from ..io.files import cache_dir
-from ..model import modeling_wscompress
+from ..model.forms import wscompress_format
 from .decode import cache_argument, compile_config
 
 CACHE_BLOCK = 256  # static caches are a multiple of this long: prompts of other lengths reuse a step
 MAX_CACHE = 4096  # longer generations keep transformers' dynamic cache (a static one allocates the whole length)
-SOURCES = ("model/modeling_wscompress.py", "kernels/__init__.py", "kernels/lut.cpp", "kernels/lowrank.cpp",
+SOURCES = ("model/forms/*.py", "kernels/__init__.py", "kernels/lut.cpp", "kernels/lowrank.cpp",
            "evaluation/step_cache.py")  # the code a step traces or calls: a change to any makes a new key
 FORCE_GQA = "TRANSFORMERS_SDPA_FORCE_GQA"  # transformers' switch: grouped K/V into attention as they are
 ENV = ("WSCOMPRESS_Q8", "WSCOMPRESS_KERNELS", "WSCOMPRESS_INT8_PREFILL", "WSCOMPRESS_MARCH")
@@ -139,7 +139,7 @@ def _machine() -> list:
     from ..kernels import _build_folder
 
     here = Path(__file__).resolve().parents[1]
-    code = hashlib.sha256(b"".join((here / s).read_bytes() for s in SOURCES)).hexdigest()
+    code = hashlib.sha256(b"".join(f.read_bytes() for s in SOURCES for f in sorted(here.glob(s)))).hexdigest()
     return [torch.__version__, transformers.__version__, sys.version, _build_folder(), code]
 
 
@@ -194,13 +194,13 @@ def source_folder(model: nn.Module) -> Path | None:
     """The compressed folder ``model`` was loaded from, where it still describes the model: what a
     background process can load to compile the same step."""
     path = Path(str(getattr(model.config, "_name_or_path", "") or ""))
-    if not isinstance(model, modeling_wscompress.WSCompressForCausalLM) or not (path / "config.json").is_file():
+    if not isinstance(model, wscompress_format.WSCompressForCausalLM) or not (path / "config.json").is_file():
         return None
     try:
         stored = json.loads((path / "config.json").read_text()).get("compression")
     except (OSError, ValueError):
         return None
-    return path if stored == json.loads(json.dumps(modeling_wscompress.describe(model))) else None
+    return path if stored == json.loads(json.dumps(wscompress_format.describe(model))) else None
 
 
 def start_background(model: nn.Module, kwargs: dict, key: str) -> bool:
@@ -347,7 +347,7 @@ def decode_step(model: nn.Module, compile_config) -> Callable | None:
     return CachedStep(model, compile_now=policy() == "now" or not getattr(compile_config, "_wscompress_auto", False))
 
 
-modeling_wscompress.KERNELS.update(generate=prepare_generate, decode_step=decode_step)
+wscompress_format.KERNELS.update(generate=prepare_generate, decode_step=decode_step)
 
 
 def cache_length_for(total: int) -> int:
@@ -373,7 +373,7 @@ def precompile(folder_path: str | os.PathLike, batch: int = 1, max_length: int =
     if threads:
         torch.set_num_threads(threads)
     model, _ = load_model(ModelConfig(path=str(folder_path), dtype=dtype or "auto", device="cpu"))
-    if not isinstance(model, modeling_wscompress.WSCompressForCausalLM):
+    if not isinstance(model, wscompress_format.WSCompressForCausalLM):
         raise UsageError(f"precompile: {folder_path} is not a compressed folder", "give the folder `wscompress compress` wrote")
     if not available():
         raise UsageError(f"precompile: torch {torch.__version__} cannot save compiled steps", "upgrade torch (2.9 or later)")

@@ -1,9 +1,9 @@
 """Saving and loading compressed models: a HF folder that transformers loads too.
 
 A compressed checkpoint is a HF folder whose ``config.json`` describes the compressed model
-(``modeling_wscompress.WSCompressConfig``: the base model's config and how its layers are
+(``wscompress_format.WSCompressConfig``: the base model's config and how its layers are
 stored), with the weight files holding each distinct tensor once (under the first name that
-reaches it), the modeling code beside them (``modeling_wscompress.py``, for
+reaches it), the modeling code beside them (``model/forms``' files its layers use, for
 ``trust_remote_code``), the tokenizer and a model card. ``load`` rebuilds the model through
 the same classes ``AutoModelForCausalLM`` uses, so both give the same model. ``export_dense``
 writes a plain checkpoint of the base architecture.
@@ -25,13 +25,12 @@ from torch.utils._pytree import tree_leaves
 
 from ..errors import UsageError
 from ..model.arch import get_module, set_module
-from ..model import modeling_wscompress
-from ..model.modeling_wscompress import (
-    CompressedLayer,
+from ..model.forms.wscompress_format import (
     LAYERS,
     SHARD_INDEX,
     VARIANT,
     WEIGHTS,
+    CompressedLayer,
     WSCompressConfig,
     check_weight_files,
     describe,
@@ -42,6 +41,7 @@ from ..model.modeling_wscompress import (
     tie,
     write_code,
 )
+from ..model.forms.wscompress_format import weight_files as _weight_files
 from .files import atomic_dir, save_tensors
 from .offload import offload_of
 
@@ -181,7 +181,7 @@ def save(model: nn.Module, tokenizer, out_dir: str | Path, max_shard_size: int =
         if config.dtype is None:  # say it: "auto" would otherwise take the first tensor's, maybe a codebook's float16
             config.dtype = next(t.dtype for t in model.parameters() if t.is_floating_point())
         config.save_pretrained(tmp)
-        write_code(tmp)
+        write_code(tmp, model)
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(tmp)
         if tokenizer is not None:
@@ -192,7 +192,7 @@ def save(model: nn.Module, tokenizer, out_dir: str | Path, max_shard_size: int =
 
 def weight_files(path: str | Path) -> list[Path]:
     """The weight files of a compressed checkpoint: one file, or the shards its index names."""
-    return [Path(f) for f in modeling_wscompress.weight_files(path)]
+    return [Path(f) for f in _weight_files(path)]
 
 
 def compressed_config(path: Path) -> WSCompressConfig:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import sys
 from contextlib import contextmanager
-from typing import Iterable, Iterator, TypeVar
+from typing import Callable, Iterable, Iterator, TypeVar
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -32,15 +32,25 @@ def track(items: Iterable[T], description: str, total: int | None = None) -> Ite
     """Iterate with a progress bar (nothing drawn in quiet mode or when nested in another bar)."""
     if total is None and hasattr(items, "__len__"):
         total = len(items)
-    if QUIET or _active:
-        yield from items
+    with bar(description, total) as advance:
+        for item in items:
+            try:
+                yield item
+            finally:  # also where the caller, done with this item, closes the loop (it needs no more)
+                advance()
+
+
+@contextmanager
+def bar(description: str, total: int | None) -> Iterator[Callable[[], None]]:
+    """A progress bar of ``total`` steps with a time estimate; the caller advances it a step at a
+    time through the function it gets (nothing drawn in quiet mode or when nested in another bar)."""
+    if QUIET or _active or total == 0:
+        yield lambda: None
         return
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn())
     with Progress(*columns, console=console, transient=False) as progress, _nested():
         task = progress.add_task(description, total=total)
-        for item in items:
-            yield item
-            progress.advance(task)
+        yield lambda: progress.advance(task)
 
 
 _active = False

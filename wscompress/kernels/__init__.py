@@ -30,8 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..model import modeling_wscompress
-from ..model.modeling_wscompress import DECODE_ROWS, SparseRows
+from ..model.forms import wscompress_format, wscompress_palettized
+from ..model.forms.wscompress_format import DECODE_ROWS
+from ..model.forms.wscompress_palettized import SparseRows
 
 HERE = Path(__file__).parent
 
@@ -287,7 +288,7 @@ def palettized_linear(x: torch.Tensor, indices: torch.Tensor, width: int, tables
     corrections, times the row ``scale`` where given, or None where the kernel does not apply (gradients needed, kernels
     unavailable, on CPU not float32, on CUDA more than DECODE_ROWS rows: prefill is
     compute-bound, and cuBLAS on the weight decoded by torch wins there). Decoding on CPU
-    multiplies 8-bit activations by the ``rounded`` tables (``modeling_wscompress.round_tables``)
+    multiplies 8-bit activations by the ``rounded`` tables (``wscompress_palettized.round_tables``)
     where they are given and the CPU has the instructions (``Q8``); prefill multiplies the same
     tables in integers where ``integer_prefill`` says, else the BLAS on the decoded weight."""
     if torch.is_grad_enabled() and (x.requires_grad or tables.requires_grad):
@@ -426,7 +427,35 @@ def six_bit_pairs() -> bool:
     return not _disabled() and os.environ.get("WSCOMPRESS_Q8", "1") != "0" and "avx2" in cpu_flags()
 
 
-# the compressed layers (modeling_wscompress) call these where they apply, their torch path elsewhere
-modeling_wscompress.KERNELS.update(palettized=palettized_linear, low_rank=low_rank_linear, half=half_linear,
-                                  int8=int8_linear)
-modeling_wscompress.SIX_BIT_PAIRS = ("cpu",) if six_bit_pairs() else ()
+def palettized_path(layer: nn.Module) -> str | None:
+    """What ``palettized_linear`` does for a ``PalettizedLinear`` where it is, in words, or None where it does not take it."""
+    if layer.dtype_probe.device.type == "cuda":
+        return "LUT kernel (Triton) for decoding, weight materialised for prefill" if lut_gpu() is not None else None
+    layout = layer.kernel_layout() if lut() is not None and layer.dtype_probe.device.type == "cpu" else None
+    if layout is None:
+        return None
+    rounded = layout.rounded is not None
+    decode = "byte products on 8-bit activations" if rounded and q8(layout.width) else "float look-ups"
+    prefill = ("integer products" if rounded and integer_prefill(layout.width, layout.tables, layer.out_features,
+                                                                 layer.in_features) else "BLAS on the decoded weight")
+    return f"LUT kernel ({decode}) for decoding, {prefill} for prefill"
+
+
+def low_rank_path(layer: nn.Module) -> str | None:
+    """What ``low_rank_linear`` does for a ``LowRankLinear`` where it is, in words, or None."""
+    plain = type(layer.basis) is nn.Linear and type(layer.coeff) is nn.Linear  # not palettized in turn
+    cpu = layer.coeff.weight.device.type == "cpu" if plain else False
+    return "fused kernel for decoding, BLAS for prefill" if cpu and lowrank() is not None else None
+
+
+def narrow_path(layer: nn.Module) -> str | None:
+    """What ``half_linear`` and ``int8_linear`` do for a ``NarrowLinear`` where it is, in words, or None."""
+    cpu = layer.dtype_probe.device.type == "cpu"
+    return "kernel with float32 sums for decoding, BLAS on converted slices for prefill" if cpu and lowrank() is not None else None
+
+
+# the compressed layers (model/forms) call these where they apply, their torch path elsewhere
+wscompress_format.KERNELS.update(palettized=palettized_linear, low_rank=low_rank_linear, half=half_linear,
+                                int8=int8_linear)
+wscompress_format.PATHS.update(palettized=palettized_path, low_rank=low_rank_path, half=narrow_path, int8=narrow_path)
+wscompress_palettized.SIX_BIT_PAIRS = ("cpu",) if six_bit_pairs() else ()

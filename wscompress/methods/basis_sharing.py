@@ -33,7 +33,7 @@ from ..io.offload import offload_of
 from ..maths.allocation import Unit, allocate, spectrum
 from ..maths.linalg import low_rank, refit_coefficients
 from ..model.arch import Arch, decoder_projections, dims_of, discover, get_module, require_unshared, set_module, weight_of
-from ..model.modeling_wscompress import SharedBasisLinear
+from ..model.forms.wscompress_lowrank import SharedBasisLinear
 from ..pipeline.refit import refit_pass
 from . import register
 from .svd import LowRankConfig, LowRankLinear

@@ -15,7 +15,7 @@ from torch import nn
 
 from ..errors import UsageError
 from ..model.arch import discover, set_module
-from ..model.modeling_wscompress import FactorizedEmbedding, FactorizedLMHead
+from ..model.forms.wscompress_embeddings import FactorizedEmbedding, FactorizedLMHead
 from ..recipe.schema import StageConfig
 from . import register
 

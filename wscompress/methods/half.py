@@ -17,8 +17,9 @@ from pydantic import Field
 from torch import nn
 
 from ..errors import UsageError
-from ..model.arch import Conv1D, replace_linear, target_layers, weight_of
-from ..model.modeling_wscompress import HalfLinear, NarrowLinear
+from ..model.arch import Conv1D, target_layers, weight_of
+from ..model.forms.wscompress_narrow import HalfLinear, NarrowLinear
+from ..pipeline.layerwise import replace_each
 from ..recipe.schema import TargetedStage
 from . import register
 
@@ -40,14 +41,17 @@ def store(model: nn.Module, cfg: TargetedStage, form: type[NarrowLinear], limit:
     same table), refusing weights past ``limit`` (``beyond`` names that range); the report gives
     each layer's relative rounding error."""
     rows = []
-    for name, module in target_layers(model, cfg).items():
+
+    def make(name: str, module: nn.Module) -> NarrowLinear:
         w = weight_of(module)
         if w.abs().max() > limit:
             raise UsageError(f"{cfg.method}: {name} has weights beyond {beyond}", "leave it out of the stage's targets")
         layer = form.from_weight(w, getattr(module, "bias", None), conv1d=isinstance(module, Conv1D))
         err = (layer.dense_weight().float() - w.float()).norm() / w.float().norm().clamp_min(1e-30)
         rows.append({"layer": name, "shape": list(w.shape), "rel_error": err.item()})
-        replace_linear(model, module, layer)
+        return layer
+
+    replace_each(model, target_layers(model, cfg), make, cfg.method)
     return {"layers": len(rows), "weights": sum(r["shape"][0] * r["shape"][1] for r in rows), "per_layer": rows}
 
 

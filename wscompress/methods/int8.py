@@ -18,7 +18,7 @@ from torch import nn
 
 from ..errors import UsageError
 from ..model.arch import dims_of, target_layers
-from ..model.modeling_wscompress import INT8_BLOCK, Int8Linear
+from ..model.forms.wscompress_narrow import INT8_BLOCK, Int8Linear
 from ..recipe.schema import TargetedStage
 from . import register
 from .half import HALF_MAX, store

@@ -38,20 +38,18 @@ from pydantic import Field, model_validator
 from torch import nn
 
 from ..errors import UsageError
-from ..io import ui
-from ..io.files import cache_dir
 from ..io.data import first_samples
-from ..io.offload import offload_of
+from ..io.files import cache_dir
 from ..maths import knapsack
 from ..maths.clustering import GramFactors, assign, cluster
 from ..maths.linalg import solve_coefficients
-from ..model.arch import Conv1D, dims_of, discover, replace_linear, target_layers, tied_to_embeddings, weight_of
-from ..model.modeling_wscompress import CodebookDtype, PalettizedLinear, entropy, packed_nbytes
+from ..model.arch import Conv1D, dims_of, discover, target_layers, tied_to_embeddings, weight_of
+from ..model.forms.wscompress_palettized import CodebookDtype, PalettizedLinear, entropy, packed_nbytes
+from ..pipeline.layerwise import onloaded, replace_each
 from ..pipeline.refit import Sums, fit_pass
 from ..pipeline.stats import SharedGrams
 from ..recipe.schema import Budget, Init, LayerRefit, TargetedStage
 from . import register
-
 
 # a budget measures each layout on every 4th block of a matrix's rows (``measured_rows``)
 MEASURE_EVERY = 4
@@ -362,33 +360,29 @@ def measure(model: nn.Module, cfg: KMeansConfig, menu: list[KMeansConfig], layer
     menu that tiles it (the others cost infinity) on the calibration statistics, one layer group
     at a time; a result's cost is ½ · output sensitivity · tr(ΔW·G·ΔWᵀ) (module docstring),
     measured on ``measured_rows`` and scaled to the matrix; its bytes are ``layout_bytes``."""
-    offload, every = offload_of(model), every_use(model, layers)
+    every = every_use(model, layers)
     stats = ctx.stats(model, every, cfg.sensitivity_samples) if every else None
     grams: SharedGrams | dict = SharedGrams(model, every, stats) if every else {}
     names = [n for group in by_layer.values() for n in group]
     costs, sizes = np.full((len(names), len(menu)), np.inf), np.zeros((len(names), len(menu)), dtype=np.int64)
-    row = 0
-    for i, group in ui.track(list(by_layer.items()), f"kmeans budget: {len(menu)} layouts a matrix"):
-        shared: dict[tuple[str, ...], GramFactors] = {}  # one per input (q/k/v read one), factorised once for all layouts
-        with offload.onload([] if i is None else [i]):
-            for name in group:
-                w = weight_of(layers[name]).detach()
-                key = tuple(grams.parts[name]) if name in grams else None
-                if key is not None and key not in shared:
-                    shared[key] = GramFactors(grams[name].to(w.device).double())
-                factors = shared.get(key)
-                sensitivity = stats.sensitivity.get(name, 1.0) if stats is not None else 1.0
-                fitting = [j for j, layout in enumerate(menu) if not misfit(model, name, layers[name], layout)]
-                rows = measured_rows(w.shape[0], [menu[j] for j in fitting])
-                sample = w if rows is None else w[rows.to(w.device)]
-                for j in fitting:  # a layout that does not tile this matrix costs infinity: never chosen
-                    # a bias-less stand-in for the module: the sample's rows are not the module's
-                    palettized = palettize(nn.Module(), menu[j], factors, sample)
-                    delta = (palettized.dense_weight().detach() - sample).double()
-                    error = (delta @ factors.gram * delta).sum() if factors is not None else delta.pow(2).sum()
-                    costs[row, j] = 0.5 * sensitivity * error.item() * w.shape[0] / sample.shape[0]
-                    sizes[row, j] = layout_bytes(*w.shape, menu[j])
-                row += 1
+    shared: dict[tuple[str, ...], GramFactors] = {}  # one per input (q/k/v read one), factorised once for all layouts
+    for row, name in enumerate(onloaded(model, names, f"kmeans budget: {len(menu)} layouts a matrix")):
+        w = weight_of(layers[name]).detach()
+        key = tuple(grams.parts[name]) if name in grams else None
+        if key is not None and key not in shared:
+            shared = {key: GramFactors(grams[name].to(w.device).double())}  # the last input's only: q/k/v come together
+        factors = shared.get(key)
+        sensitivity = stats.sensitivity.get(name, 1.0) if stats is not None else 1.0
+        fitting = [j for j, layout in enumerate(menu) if not misfit(model, name, layers[name], layout)]
+        rows = measured_rows(w.shape[0], [menu[j] for j in fitting])
+        sample = w if rows is None else w[rows.to(w.device)]
+        for j in fitting:  # a layout that does not tile this matrix costs infinity: never chosen
+            # a bias-less stand-in for the module: the sample's rows are not the module's
+            palettized = palettize(nn.Module(), menu[j], factors, sample)
+            delta = (palettized.dense_weight().detach() - sample).double()
+            error = (delta @ factors.gram * delta).sum() if factors is not None else delta.pow(2).sum()
+            costs[row, j] = 0.5 * sensitivity * error.item() * w.shape[0] / sample.shape[0]
+            sizes[row, j] = layout_bytes(*w.shape, menu[j])
     return costs, sizes
 
 
@@ -397,7 +391,6 @@ def apply(model: nn.Module, cfg: KMeansConfig, ctx) -> dict:
     """Palettize every target linear, one decoder layer at a time (under a budget, each with the
     layout ``choose_layouts`` gave it); returns totals and one row per layer."""
     arch = discover(model)
-    offload = offload_of(model)
     layers = target_layers(model, cfg)
     by_layer: dict[int | None, list[str]] = {}
     for name in layers:  # a module shared by several layers: under the first (see target_layers)
@@ -407,19 +400,21 @@ def apply(model: nn.Module, cfg: KMeansConfig, ctx) -> dict:
     grams: Mapping[str, torch.Tensor] = {}
     start = time.perf_counter()
     rows: list[dict] = []
+    label = f"kmeans {'budget' if budget else f'{cfg.bits}-bit'}"
     if cfg.refit and set(by_layer) - {None}:  # the decoder layers' modules, in one pass over the calibration data
         fit_pass(model, arch, first_samples(ctx.calibration(), cfg.refit_samples), lambda i: {n: layers[n] for n in by_layer.get(i, [])},
-                 lambda *args: _Palettize(*args, cfg=cfg, layouts=layouts, rows=rows), cfg.refit_target, ctx.dtype(model))
+                 lambda *args: _Palettize(*args, cfg=cfg, layouts=layouts, rows=rows), cfg.refit_target, ctx.dtype(model),
+                 label=f"{label}: decoder layers clustered and refit")
         by_layer = {None: by_layer[None]} if None in by_layer else {}
     elif cfg.needs_statistics and (every := every_use(model, layers)):
         grams = SharedGrams(model, every, ctx.stats(model, every))
-    for i, names in ui.track(list(by_layer.items()), f"kmeans {cfg.bits}-bit"):
-        with offload.onload([] if i is None else [i]):
-            for name in names:
-                module = layers[name]
-                layer = palettize(module, layouts[name], grams.get(name))
-                rows.append(layer_report(name, weight_of(module), layer))
-                replace_linear(model, module, layer)
+
+    def make(name: str, module: nn.Module) -> PalettizedLinear:
+        layer = palettize(module, layouts[name], grams.get(name))
+        rows.append(layer_report(name, weight_of(module), layer))
+        return layer
+
+    replace_each(model, {n: layers[n] for names in by_layer.values() for n in names}, make, f"{label}: matrices")
     without = [n for i, names in by_layer.items() for n in names if cfg.needs_statistics and n not in grams]
     return {**summarize(rows, cfg.bits if budget is None else None), "cluster_seconds": round(time.perf_counter() - start, 2),
             "sensitivity": cfg.sensitivity, "error_feedback": cfg.error_feedback, "outliers": cfg.outliers,

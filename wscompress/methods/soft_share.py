@@ -42,7 +42,7 @@ from ..io.data import first_samples
 from ..io.offload import model_device, offload_of
 from ..maths.linalg import low_rank, ridged, truncation_by_iteration
 from ..model.arch import Arch, Conv1D, discover, get_module, require_unshared, set_module
-from ..model.modeling_wscompress import LowRankDeltaLinear
+from ..model.forms.wscompress_lowrank import LowRankDeltaLinear
 from ..pipeline.layerwise import layerwise, start_at
 from ..pipeline.refit import LeastSquares, WeightFit, fit_pass
 from ..pipeline.stats import Stats

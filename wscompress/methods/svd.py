@@ -20,7 +20,7 @@ from ..io.offload import offload_of
 from ..maths.allocation import Unit, allocate, spectrum
 from ..maths.linalg import low_rank, rank_for_ratio
 from ..model.arch import decoder_projections, dims_of, discover, distinct, get_module, replace_everywhere, weight_of
-from ..model.modeling_wscompress import LowRankLinear
+from ..model.forms.wscompress_lowrank import LowRankLinear
 from ..pipeline.refit import refit_pass
 from ..pipeline.stats import SharedGrams
 from ..recipe.schema import LayerRefit, TargetedStage

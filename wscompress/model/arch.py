@@ -17,7 +17,8 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D  # GPT-2 style layers store weight as (in, out)
 
 from ..errors import UsageError
-from .modeling_wscompress import CompressedLinear, PalettizedEmbedding, weight_of  # noqa: F401  (weight_of: the (out, in) weight of any linear)
+from .forms.wscompress_embeddings import PalettizedEmbedding
+from .forms.wscompress_format import CompressedLinear, weight_of  # noqa: F401  (weight_of: the (out, in) weight of any linear)
 
 if TYPE_CHECKING:  # for annotations only: the recipe's types do not depend on the model's
     from ..recipe.schema import TargetedStage

@@ -32,7 +32,8 @@ from .. import kernels
 from ..io import ui
 from ..io.hardware import native_bfloat16
 from ..io.offload import model_device, offload_of
-from ..model.arch import Arch, discover
+from ..model.arch import Arch, discover, replace_linear
+from ..model.forms.wscompress_format import CompressedLinear
 
 
 class _Stop(Exception):
@@ -221,4 +222,31 @@ def layerwise(model: nn.Module, batches: list[torch.Tensor], arch: Arch | None =
             hidden = inputs.outputs
         calls[i] = []  # layer i's arguments are done with
 
+
+def onloaded(model: nn.Module, names: list[str], description: str) -> Iterator[str]:
+    """``names`` (modules of ``model``), grouped by the decoder layer they lie in, each yielded
+    while its layer is onloaded (``offload``: one layer group in memory at a time, modules outside
+    the layers with none), with a progress bar by module: how every method that reads target
+    weights walks them, so offload is right by construction."""
+    arch, offload = discover(model), offload_of(model)
+    groups: dict[int | None, list[str]] = {}
+    for name in names:  # a module shared by several layers comes under its first name (see target_layers)
+        groups.setdefault(arch.layer_of(name), []).append(name)
+    with ui.bar(description, len(names)) as advance:
+        for i, group in groups.items():
+            with offload.onload([] if i is None else [i]):
+                for name in group:
+                    try:
+                        yield name
+                    finally:  # also where the caller, done with this module, closes the loop
+                        advance()
+
+
+def replace_each(model: nn.Module, layers: dict[str, nn.Module], make: Callable[[str, nn.Module], CompressedLinear],
+                 description: str) -> None:
+    """Replace each linear of ``layers`` (name -> module) by ``make(name, module)``, its compressed
+    form, one decoder layer at a time (``onloaded``); a head tied to the input embedding stays one
+    table with it (``replace_linear``)."""
+    for name in onloaded(model, list(layers), description):
+        replace_linear(model, layers[name], make(name, layers[name]))
 

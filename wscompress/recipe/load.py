@@ -12,7 +12,7 @@ import yaml
 from pydantic import ValidationError
 
 from ..errors import UsageError
-from .schema import Recipe, StageConfig, error_lines, known_keys
+from .schema import Recipe, StageConfig, error_fix, error_lines
 
 
 def _parse_value(text: str) -> Any:
@@ -61,8 +61,7 @@ def parse_stage(data: Any, index: int, where: str) -> StageConfig:
     try:
         return cls.model_validate(data)
     except ValidationError as err:
-        raise UsageError(error_lines(err, where, prefix),
-                         f"keys of method {name!r}: {known_keys(cls)}") from None
+        raise UsageError(error_lines(err, where, prefix), error_fix(err, cls, f"method {name!r}", prefix)) from None
 
 
 def load_recipe(path: str | Path | None = None, overrides: list[str] = (), data: dict | None = None) -> Recipe:
@@ -90,8 +89,7 @@ def load_recipe(path: str | Path | None = None, overrides: list[str] = (), data:
     try:
         recipe = Recipe.model_validate(data)
     except ValidationError as err:
-        raise UsageError(error_lines(err, where),
-                         f"sections: {known_keys(Recipe)}; see docs/recipes.md") from None
+        raise UsageError(error_lines(err, where), error_fix(err, Recipe, "the recipe")) from None
     recipe.compress = [parse_stage(s, i, where) for i, s in enumerate(stages)]
     recipe.source = str(path) if path else None
     return recipe

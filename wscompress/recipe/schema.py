@@ -6,11 +6,11 @@ keys and checks types and ranges; each stage is validated by its method's own co
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal, get_args, get_origin
 
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, model_validator
 
-from ..model.modeling_wscompress import CodebookDtype
+from ..model.forms.wscompress_palettized import CodebookDtype
 
 DEFAULT_MODEL = "builtin:smollm2-135m-instruct"
 Init = Literal["kmeans++", "linear", "density"]  # how k-means places its first centroids (maths.clustering)
@@ -43,6 +43,40 @@ def error_lines(err: ValidationError, where: str, prefix: str = "") -> str:
 
 def known_keys(cls: type[BaseModel]) -> str:
     return ", ".join(cls.model_fields)
+
+
+def _section(annotation: Any) -> type[BaseModel] | None:
+    """The section class a field holds (``X``, ``X | None``), or None for a plain value."""
+    for hint in (annotation, *get_args(annotation)):
+        if isinstance(hint, type) and issubclass(hint, BaseModel):
+            return hint
+    return None
+
+
+def error_fix(err: ValidationError, cls: type[BaseModel], name: str, prefix: str = "") -> str:
+    """The fix of a validation error's first problem, named where the mistake is: the keys of the
+    section holding an unknown key, the values a key takes (its choices, or what its description
+    says); ``cls`` is the outermost section (called ``name``) and ``prefix`` its key path."""
+    first = err.errors()[0]
+    section, path = cls, [prefix] if prefix else []
+    for part in first["loc"][:-1]:  # down to the section holding the key named last
+        field = section.model_fields.get(str(part))
+        inner = _section(field.annotation) if field is not None else None
+        if inner is None:
+            break
+        section, path = inner, [*path, str(part)]
+    where = ".".join(path) if section is not cls else f"{prefix} ({name})" if prefix else name
+    leaf = str(first["loc"][-1]) if first["loc"] else ""
+    field = section.model_fields.get(leaf)
+    if first["type"] == "extra_forbidden" or field is None:
+        return f"keys of {where}: {known_keys(section)}; see docs/recipes.md"
+    choices = [a for a in get_args(field.annotation) if get_origin(a) is Literal]
+    if get_origin(field.annotation) is Literal:
+        choices = [field.annotation]
+    key = ".".join([*path, leaf])
+    if choices:
+        return f"{key} takes one of: {', '.join(repr(v) for c in choices for v in get_args(c))}"
+    return f"{key}: {field.description}" if field.description else f"set {key} as its error says (docs/recipes.md has its range)"
 
 
 class ModelConfig(Strict):

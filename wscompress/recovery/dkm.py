@@ -40,7 +40,7 @@ from ..maths.clustering import centroid_means, cluster, nearest
 from ..methods.kmeans import KMeansConfig, check_layer, group_size_of, layer_report, summarize
 from ..model.arch import target_layers
 from ..model.arch import Conv1D, is_dense_linear, replace_everywhere, weight_of
-from ..model.modeling_wscompress import PalettizedLinear, dequantize
+from ..model.forms.wscompress_palettized import PalettizedLinear, dequantize
 from ..recipe.schema import DKMConfig, error_lines, known_keys
 
 

@@ -37,7 +37,8 @@ from ..io import data, distributed, storage, ui
 from ..io.files import save_tensors
 from ..io.offload import model_device, offload_of
 from ..model.arch import match_modules
-from ..model.modeling_wscompress import CompressedLinear, PalettizedLinear
+from ..model.forms.wscompress_format import CompressedLinear
+from ..model.forms.wscompress_palettized import PalettizedLinear
 from ..recipe.schema import FinetuneConfig, Recipe
 
 CKPT = "finetune-checkpoint"
