@@ -10,7 +10,7 @@ Rows (each at every --bits where it applies):
   aside (OUTLIERS, or --outliers), and any of them followed by `finetune` (mode: method: the
   codebooks, scales and kept-aside weights train) for --minutes, on the LM loss or, with --kd,
   distilling the dense model's next-token distributions (--norms: the normalisation gains train
-  too).
+  too); each also after `rotate` (the inputs turned by random Hadamard blocks of 64: "rotated, ...").
 - RTN: round to nearest on a uniform grid per group of input columns (min/max, asymmetric), a
   float16 scale and an 8-bit zero point per group (as compressed-tensors stores them).
 - GPTQ with groups as llm-compressor runs it (`oneshot` + `GPTQModifier`, asymmetric, static
@@ -88,12 +88,18 @@ OURS: dict[str, Callable[[int, float], list[dict] | None]] = {
     "kmeans 4-d vectors, a codebook per matrix and a scale per channel":
         lambda b, o: vectors(4, b, o, granularity="per_tensor", row_scale=True) if b == 2 else None,
 }
+# incoherence first (issue 78): every decoder linear's input turned by random Hadamard blocks of 64
+# (methods/rotate.py), then the same layouts on the turned weights
+ROTATE = {"method": "rotate", "block": 64}
+OURS.update({f"rotated, {label}": lambda b, o, of=stages_of: None if (s := of(b, o)) is None else [ROTATE, *s]
+             for label, stages_of in list(OURS.items())})
 LR = 1e-4  # of the recovery rows; another one is named in the row's label
 # groups per bits (input columns sharing a scale); SmolLM2's 576 columns rule out the common 128
 RTN_GROUPS = {2: [32, 64], 3: [32, 64], 4: [64]}
 GPTQ_GROUPS = {2: [32, 64], 3: [64], 4: [64]}
-# the dry run's rows: the default one-shot and trained, a peer and DKM
-DRY_ROWS = ["kmeans per channel (default)", "kmeans per channel (default) +", "RTN g64", "DKM"]
+# the dry run's rows: the default one-shot and trained, rotated, a peer and DKM
+DRY_ROWS = ["kmeans per channel (default)", "kmeans per channel (default) +", "rotated, kmeans per channel", "RTN g64",
+            "DKM"]
 
 
 def rtn_(model: torch.nn.Module, bits: int, group: int) -> float:

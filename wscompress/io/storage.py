@@ -111,6 +111,9 @@ def stats(model: nn.Module) -> dict:
         parts = name.split(".")[:-1]
         owner = next((p for p in (".".join(parts[:i]) for i in range(len(parts), 0, -1)) if p in layers), None)
         count = layers[owner].parameter_count() if owner is not None else None
+        module, _, leaf = name.rpartition(".")
+        if module == owner and leaf in layers[owner].UNCOUNTED:
+            continue  # bytes, not parameters (a rotation's signs)
         if count is not None:
             packed[owner] = count  # once a layer, whichever of its tensors comes
         elif owner is not None or t.is_floating_point():

@@ -123,6 +123,7 @@ class CompressedLayer:
     CHILDREN: ClassVar[tuple[str, ...]] = ()  # its child modules: a later stage may compress them in turn
     KERNEL: ClassVar[str | None] = None  # the name of its fast path in ``KERNELS`` (and ``PATHS``); None: torch only
     TORCH_PATH: ClassVar[str] = "torch"  # what its reference path computes, in words
+    UNCOUNTED: ClassVar[tuple[str, ...]] = ()  # its own tensors that are no parameters (a rotation's signs)
 
     @staticmethod
     def dense_shape(spec: dict) -> tuple[int, int]:
