@@ -95,6 +95,9 @@ for _recipe, _label in RECIPES.items():
     MODELS[f"{_recipe} layout + tied embedding/head in it"] = [{**MODELS[_label][0], **HEAD}]
     MODELS[f"{_recipe} layout + float16 tied embedding/head"] = [MODELS[_label][0], HEAD_HALF]
     MODELS[f"{_recipe} layout + int8 tied embedding/head"] = [MODELS[_label][0], HEAD_INT8]  # the recipe as shipped
+    # incoherence first (methods/rotate.py): the rotations' online cost on top of the layout's products
+    MODELS[f"rotated (Hadamard 64) + {_recipe} layout + int8 tied embedding/head"] = \
+        [{"method": "rotate", "block": 64}, MODELS[_label][0], HEAD_INT8]
 
 
 def random_palettized(out: int, inp: int, stage: dict, gen: torch.Generator):

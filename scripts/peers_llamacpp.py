@@ -23,7 +23,9 @@ tokens (with its cache and no logits but the last position's, as generate() and 
 evaluate a prompt), at each thread count; the best of ``--rounds`` rounds (engines one after the other). The table
 gives tokens/s, the ratio to llama.cpp's Q4_0 in the same run and decode GB/s (bytes read per
 token: wscompress's resident bytes, llama.cpp's file, times tokens/s), with the CPU's model and
-vector flags. This is a benchmark dependency only: neither the package nor its tests need npm or llama.cpp.
+vector flags and the CPU backend llama.cpp loaded (read from its process's mapped libraries: its
+prebuilt library loads the best variant the CPU runs, sapphirerapids where AMX shows). This is a
+benchmark dependency only: neither the package nor its tests need npm or llama.cpp.
 
 ``--dry-run`` checks the script in seconds without npm or llama.cpp: the chosen shape at toy size
 (2 layers, hidden 128, random weights, vocabulary kept), every GGUF file written, every
@@ -98,7 +100,10 @@ for (let r = 0; r <= Number(rounds); r++) {  // round 0 warms up
   const d = (performance.now() - start) / 1000;
   if (r) { decode = Math.min(decode, d); fill = Math.min(fill, p); }
 }
-console.log(JSON.stringify({decode, prefill: fill, file_mb: fs.statSync(modelPath).size / 2 ** 20}));
+// the CPU backend llama.cpp chose for this CPU (its prebuilt library loads the best of its variants)
+const loaded = fs.readFileSync("/proc/self/maps", "utf8").match(/libggml-cpu-([\w-]+)\.so/);
+console.log(JSON.stringify({decode, prefill: fill, file_mb: fs.statSync(modelPath).size / 2 ** 20,
+                            backend: loaded ? loaded[1] : "unknown"}));
 await context.dispose(); await model.dispose(); await llama.dispose();
 """.replace("DECODE", str(DECODE))
 
@@ -323,13 +328,14 @@ def main() -> None:
 
     # compiled once (the dry run keeps the static-cache step eager: compiling takes about a minute a model)
     decoders = {label: StaticDecoder(m, prompt_ids, DECODE, compile=not args.dry_run) for label, m in models.items()}
-    rows = []
+    rows, backends = [], set()
     for threads in args.threads:
         torch.set_num_threads(threads)
         results = {}
         for q, path in ggufs.items() if script else ():
             r = llama_cpp(script, path, threads, args.rounds, prompt_ids[0].tolist(), prefill_ids)
             results[f"llama.cpp {q}"] = {"MB": r["file_mb"], "decode": r["decode"], "prefill": r["prefill"]}
+            backends.add(r["backend"])
         for label, model in models.items():
             r = wscompress_times(model, args.rounds, prompt_ids, decoders[label])
             results[f"wscompress {label}"] = {"MB": storage.resident_bytes(model) / 2**20, "decode": r["decode"],
@@ -349,6 +355,8 @@ def main() -> None:
             print(row, flush=True)
     cpu = cpu_line() + ("" if march == "native" else f"; both engines built for -march={march} "
                                                      f"(WSCOMPRESS_MARCH, llama.cpp's {march} CPU backend)")
+    if backends:  # read from the node process's mapped libraries: the variant llama.cpp chose (or was pinned to)
+        cpu += f"; llama.cpp loaded its {', '.join(sorted(backends))} CPU backend"
     cols = ["threads", "engine, model", "weight MB", "decode tok/s", "compiled decode tok/s", "decode GB/s",
             "decode x Q4_0", "prefill tok/s", "prefill x Q4_0"]
     made = f"made from {source.name}" if real else f"with random weights and {source.name}'s tokenizer"

@@ -68,3 +68,22 @@ def test_impossible_rotations_are_refused_before_any_work(stage, words):
     model.tie_weights()
     with pytest.raises(UsageError, match=words):
         wscompress.compress(model, [stage])
+
+
+def test_training_after_a_rotation_moves_the_codebooks_not_the_rotation(tmp_path, tokenizer):
+    """``finetune.mode: method`` trains what the quantizing stage made inside each rotated layer
+    (codebooks, scales, kept-aside weights); the signs and the rotation stay as they are."""
+    from test_finetune import recipe
+
+    from wscompress.recovery.finetune import finetune
+
+    model = tiny_model("llama")
+    wscompress.compress(model, [{"method": "rotate"}, {"method": "kmeans", "bits": 3, "row_scale": True}], tokenizer,
+                        CALIBRATION)
+    signs = model.model.layers[0].mlp.down_proj.signs.clone()
+    codebook = model.model.layers[0].mlp.down_proj.inner.codebook.float().clone()
+    trained, out = finetune(model, tokenizer, recipe(tmp_path, mode="method", steps=2))
+    layer = trained.model.layers[0].mlp.down_proj
+    assert isinstance(layer, RotatedLinear) and torch.equal(layer.signs, signs)
+    assert not torch.equal(layer.inner.codebook.float(), codebook)
+    assert out["trainable_params"] > 0

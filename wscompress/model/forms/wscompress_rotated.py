@@ -74,8 +74,18 @@ class RotatedLinear(CompressedLinear):
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         """x Q (over x's last dimension)."""
-        h = hadamard(self.block, x.dtype, x.device)
-        return ((x * self.signs.to(x.dtype)).unflatten(-1, (-1, self.block)) @ h).flatten(-2)
+        return ((x * self.signs.to(x.dtype)).unflatten(-1, (-1, self.block)) @ self._hadamard(x)).flatten(-2)
+
+    def _hadamard(self, x: torch.Tensor) -> torch.Tensor:
+        """H in x's dtype and device, kept on the layer by an eager call: a compiled graph reads
+        it as a constant instead of tracing ``hadamard``'s cache."""
+        h = self.__dict__.get("_h")
+        compiling = torch.compiler.is_compiling()
+        if h is None or not compiling and (h.dtype != x.dtype or h.device != x.device):
+            h = hadamard(self.block, x.dtype, x.device)
+            if not compiling:
+                self.__dict__["_h"] = h
+        return h
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.inner(self.rotate(x))
@@ -85,6 +95,9 @@ class RotatedLinear(CompressedLinear):
         w = weight_of(self.inner)  # ``inner`` may be compressed in turn
         return (w.unflatten(-1, (-1, self.block)) @ hadamard(self.block, w.dtype, w.device)).flatten(-2) \
             * self.signs.to(w.dtype)
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return []  # the rotation holds nothing to train: its inner layer, if compressed, says what of it trains
 
     def spec(self) -> dict:
         return {"in_features": self.in_features, "out_features": self.out_features, "block": self.block,
