@@ -45,7 +45,7 @@ from _common import REPO, markdown, write_results  # noqa: E402
 from bench_runtime import (LAYER_COLS, LAYER_SHAPES, MODELS, RECIPES, TOY_SHAPES, best_seconds,  # noqa: E402
                            graph_decode_seconds, layer_rows, random_layout, random_palettized)
 
-from wscompress import kernels  # noqa: E402
+from wscompress import compress, kernels  # noqa: E402
 from wscompress.evaluation.decode import StaticDecoder  # noqa: E402
 from wscompress.evaluation.profile import copy_bandwidth  # noqa: E402
 from wscompress.io import storage, ui  # noqa: E402
@@ -77,6 +77,12 @@ def low_rank(model: torch.nn.Module, ratio: float) -> None:
             new = LowRankLinear.replacing(module, torch.randn(out, rank, device=module.weight.device) * 0.02,
                                           torch.randn(rank, inp, device=module.weight.device) * 0.02)
             replace_everywhere(model, module, new)
+
+
+def rotated(model: torch.nn.Module, stage: dict) -> None:
+    """``stage``'s layout on the weights turned by ``rotate`` (methods/rotate.py): its rotations run online."""
+    compress(model, [{"method": "rotate"}])
+    random_layout(model, stage)
 
 
 def random_model(shape: dict, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
@@ -129,6 +135,7 @@ def decode(device: torch.device, dtype: torch.dtype, dry: bool, tokens: int = 16
     graph = device.type == "cuda"
     shapes = {"tiny (dry run)": TINY} if dry else {"LLaMA-7B shape": LLAMA_7B, "SmolLM2-135M shape": SMOLLM2}
     builds = {"dense": lambda m: None, "4-bit recipe layout": lambda m: random_layout(m, FOUR_BIT_STAGE),
+              "rotated + 4-bit recipe layout": lambda m: rotated(m, FOUR_BIT_STAGE),
               "svd 40 %": lambda m: low_rank(m, 0.4)}
     for shape_name, shape in shapes.items():
         dense_tps = None

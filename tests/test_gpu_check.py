@@ -24,8 +24,8 @@ def test_gpu_check_dry_run(tmp_path):
         assert {r["path"] for r in palettized} == {"kernel"}
     assert [r["level"] for r in eager][:3] == ["dense F.linear", "PalettizedLinear call", "kernels.palettized_linear"]
     assert all(r["us per call"] > 0 for r in eager)
-    assert [r["model"] for r in decode] == ["dense", "4-bit recipe layout", "svd 40 %"]
-    assert decode[1]["resident MB"] < decode[0]["resident MB"]  # the layouts were really swapped in
+    assert [r["model"] for r in decode] == ["dense", "4-bit recipe layout", "rotated + 4-bit recipe layout", "svd 40 %"]
+    assert decode[1]["resident MB"] < decode[0]["resident MB"] and decode[2]["resident MB"] < decode[0]["resident MB"]  # the layouts were really swapped in
     assert all(r["decode tok/s"] > 0 for r in decode)
     assert {(r["method"], r["layers"]) for r in pipeline} == {(m, n) for m in ("Basis Sharing 20 %", "SVD-LLM 20 %",
                                                                                "kmeans 4-bit") for n in (2, 4)}
