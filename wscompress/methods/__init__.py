@@ -7,8 +7,9 @@ device, before any work) and one entry point ``apply(model, cfg, ctx) -> dict`` 
 with ``@register(ConfigClass)``. The dict it returns goes into the compression report.
 Modules here are imported automatically (``_sharing.py`` holds what the structural methods share).
 
-Methods work one decoder-layer group at a time: they read weights inside
-``offload_of(model).onload(group)`` (or ``groups``/``pipeline.layerwise``) and statistics from
+Methods work one decoder-layer group at a time: a targeted method swaps its layers through
+``pipeline.layerwise.replace_each`` (or reads them through ``onloaded``), others read weights inside
+``offload_of(model).onload(group)`` (or ``groups``/``pipeline.layerwise``), and statistics come from
 ``ctx.stats`` (on disk, one matrix at a time), so memory follows one group, not the model.
 """
 
