@@ -102,6 +102,13 @@ DRY_ROWS = ["kmeans per channel (default)", "kmeans per channel (default) +", "r
             "DKM"]
 
 
+def stored_bits(report: list[dict]) -> float:
+    """Bits a weight of the quantizing stage (the last), with the rotations' signs, if a ``rotate``
+    stage made any, counted over the same weights."""
+    signs = sum(r.get("sign_bytes", 0) for r in report)
+    return report[-1]["bits_per_weight"] + 8 * signs / report[-1]["weights"]
+
+
 def rtn_(model: torch.nn.Module, bits: int, group: int) -> float:
     """Round every decoder linear's weight to nearest, in place, on a uniform asymmetric grid per
     ``group`` input columns; returns the bits per weight as stored (b + (16 + 8) / group)."""
@@ -151,7 +158,7 @@ def layer_cost(args, recipe, tok, out: Path) -> None:
             if (stages := stages_of(b, OUTLIERS[b])) is None or args.rows and not any(label.startswith(r) for r in args.rows):
                 continue
             _, report, seconds = compressed_copy(layer, tok, run, stages)
-            rows.append({"method": label, "bits": b, "bits_per_weight": round(report[-1]["bits_per_weight"], 3),
+            rows.append({"method": label, "bits": b, "bits_per_weight": round(stored_bits(report), 3),
                          "tokens": args.tokens, "s per 7B layer": round(seconds, 1), "min at 7B (32 layers)": round(32 * seconds / 60, 1)})
             print(rows[-1], flush=True)
     write_results(out, {"threads": torch.get_num_threads(), "rows": rows}, markdown(rows), stem="layer_cost")
@@ -206,7 +213,7 @@ def main() -> None:
 
     def one_shot(stages: list[dict]) -> tuple[torch.nn.Module, dict]:
         model, report, seconds = compressed_copy(original, tok, recipe, stages)
-        return model, {"bits_per_weight": round(report[-1]["bits_per_weight"], 3), "compress_s": round(seconds, 1)}
+        return model, {"bits_per_weight": round(stored_bits(report), 3), "compress_s": round(seconds, 1)}
 
     def cached(label: str, b: int, stages: list[dict]) -> tuple[torch.nn.Module, dict]:
         path = out / "oneshot" / (f"{b}-" + re.sub(r"[^\w.]+", "-", label))

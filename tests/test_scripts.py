@@ -68,12 +68,14 @@ def test_bench_lowbit(tmp_path):
     run_script("bench_lowbit.py", "--dry-run", "--out", str(tmp_path))
     rows = {r["method"].split(" + ")[0] + (" + training" if " + " in r["method"] else ""): r
             for r in json.loads((tmp_path / "results.json").read_text())["rows"]}
-    assert list(rows) == ["dense", "kmeans per channel (default)", "kmeans per channel (default) + training", "RTN g64",
-                          "DKM as it stands (0.05 min from dense)"]
+    assert list(rows) == ["dense", "kmeans per channel (default)", "kmeans per channel (default) + training",
+                          "rotated, kmeans per channel (default)", "RTN g64", "DKM as it stands (0.05 min from dense)"]
     assert 2 < rows["kmeans per channel (default)"]["bits_per_weight"] < 3 and rows["RTN g64"]["bits_per_weight"] == 2.375
     assert rows["kmeans per channel (default) + training"]["steps"] >= 1
+    rotated = rows["rotated, kmeans per channel (default)"]["bits_per_weight"]
+    assert rotated > rows["kmeans per channel (default)"]["bits_per_weight"]  # its signs are counted
     md = table((tmp_path / "results.md").read_text(), "method", "wiki.test x")
-    assert len(md) == 5 and all(float(r["wiki.test"]) > 0 and float(r["brown"]) > 0 for r in md)
+    assert len(md) == 6 and all(float(r["wiki.test"]) > 0 and float(r["brown"]) > 0 for r in md)
 
 
 def test_bench_budget(tmp_path):
