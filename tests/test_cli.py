@@ -124,6 +124,7 @@ def test_target_matching_nothing_exits_2_without_output(tmp_path, tiny_dir):
     # a later stage whose targets no stage before it replaces is checked whole, as the first is
     ({"compress": [{"method": "svd"}, {"method": "kmeans", "targets": ["lm_head"], "cluster_dim": 3}]},
      "cluster_dim=3 does not divide"),
+    ({"compress": [{"method": "kmeans"}, {"method": "gqa", "groups": 3}]}, "groups=3 does not divide"),  # untargeted, later
     ({"eval": {"perplexity": ["pydoc"], "context_length": 4096}}, "eval.context_length 4096 exceeds the 2048 positions"),
 ])
 def test_check_finds_every_mistake_before_any_work(tmp_path, tiny_dir, monkeypatch, sections, words):

@@ -114,7 +114,8 @@ def check_structure(model: nn.Module, recipe: Recipe, stages: list, finetune: Fi
     replaced: set[str] | None = set()  # what the stages so far replace (None: not known beforehand)
     for i, stage in enumerate(stages):
         targets = _targets(model, stage) if isinstance(stage, TargetedStage) else None
-        if i == 0 or replaced is not None and targets is not None and not targets & replaced:
+        untargeted = not isinstance(stage, TargetedStage)  # checked on the original structure, as always
+        if untargeted or i == 0 or replaced is not None and targets is not None and not targets & replaced:
             stage.check(model)  # it starts from the original structure where it reads it
         else:
             _names_match(later, stage.targets, f"compress.{i}.targets")
