@@ -2,7 +2,8 @@
 the weight decoded to float32, the BLAS), integers in every layer (``=1``: ``lut_linear_i8``, one
 16-bit product a weight for 12-bit tables where the build has AVX-512 VNNI, else three 8-bit
 ones through ``torch._int_mm``) and the default (unset: integers in layers of
-``kernels.INTEGER_PREFILL_WEIGHTS`` weights or more, where the build decodes them vectorised).
+``kernels.INTEGER_PREFILL_WEIGHTS`` weights or more, where the build decodes them vectorised; where
+the CPU has AMX, ``lut_linear_bf16`` in every layer: bfloat16 tiles, float32 sums).
 
 For each model shape (a decoder layer's q, k/v, o, gate/up and down projections, as many times
 as the model has layers; k/v and gate/up counted twice) and each shipped recipe's layout (random
@@ -28,6 +29,7 @@ import torch
 from _common import REPO, cpu_line, markdown, write_results
 from bench_runtime import MODELS, RECIPES, random_palettized
 from peers_llamacpp import SHAPES, TINY
+from wscompress import kernels
 
 
 def projections(hidden: int, ffn: int, kv: int) -> list[tuple[int, int]]:
@@ -67,6 +69,7 @@ def main() -> None:
         args.threads, args.rounds = [1], 1
     gen = torch.Generator().manual_seed(0)
     rows = []
+    default = "AMX tiles" if kernels.lut() is not None and torch.ops.wscompress.lut_amx() else "integers from 4M weights"
     for shape, dims in shapes.items():
         hidden, ffn, repeat, kv = dims["hidden"], dims["ffn"], dims["layers"], dims["kv_heads"] * dims["head_dim"]
         inputs = {n: torch.randn(args.tokens, n, generator=gen) for n in (hidden, ffn)}
@@ -79,7 +82,7 @@ def main() -> None:
                 for _ in range(args.rounds + 1):  # round 0 warms up (layouts, oneDNN's kernels)
                     for path in PATHS:
                         best[path] = min(best[path], seconds(layers, inputs, repeat, path))
-                row = {"shape": shape, "layout": recipe, "threads": threads,
+                row = {"shape": shape, "layout": recipe, "threads": threads, "default path": default,
                        **{f"{path} tok/s": round(args.tokens / best[path], 1) for path in PATHS},
                        **{f"{path} x float32": round(best["float32"] / best[path], 2) for path in ("integer", "default")}}
                 rows.append(row)

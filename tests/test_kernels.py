@@ -23,9 +23,11 @@ CALIB = {"dataset": "pydoc", "num_samples": 4, "seq_len": 32, "batch_size": 2}
 
 @pytest.fixture
 def float_activations(monkeypatch):
-    """Decoding multiplies float activations (the tests that compare with the reference path to
-    float rounding); the 8-bit path has tests of its own below."""
+    """Decoding multiplies float activations and prefill keeps float32 off AMX tiles (the tests
+    that compare with the reference path to float rounding); the 8-bit and bfloat16 paths have
+    tests of their own below."""
     monkeypatch.setattr(kernels, "_q8", {4: False, 6: False, 8: False})
+    monkeypatch.setenv("WSCOMPRESS_AMX", "0")
 
 
 def test_kernels_build_where_a_compiler_exists():
@@ -217,11 +219,12 @@ def outlier_products(lin: PalettizedLinear, x: torch.Tensor) -> torch.Tensor:
 
 def q8_reference(lin: PalettizedLinear, x: torch.Tensor) -> torch.Tensor:
     """What the byte-product path computes, in torch: the weight from the rounded tables
-    (``rounded_weights``), each input row a block of 32 as s (q1 + q2 / 256) with s the block's
-    largest magnitude / 127 and q1, q2 signed bytes, their products but lo·q2, the outliers'
+    (``rounded_weights``), each input row as s (q1 + q2 / 256) with s the largest magnitude / 127
+    of the row (AVX-512 builds, whose sums stay integers to the row's end: ``lut_q8(8)``) or of
+    each block of 32 (AVX2) and q1, q2 signed bytes, their products but lo·q2, the outliers'
     float corrections, then the row scales and the bias."""
     weight = rounded_weights(lin)
-    blocks = x.reshape(x.shape[0], -1, 32)
+    blocks = x.reshape(x.shape[0], -1, x.shape[1] if torch.ops.wscompress.lut_q8(8) else 32)
     amax = blocks.abs().amax(-1, keepdim=True)
     v = blocks * torch.where(amax > 0, 127 / amax, 0)
     q1 = v.round()
@@ -338,6 +341,57 @@ def test_integer_prefill_by_default_where_it_pays(monkeypatch):
     assert kernels.integer_prefill(8, vectors, 48, 96) and not kernels.integer_prefill(4, nibble_pairs, 48, 96)
     monkeypatch.setenv("WSCOMPRESS_INT8_PREFILL", "0")
     assert not kernels.integer_prefill(8, pairs, big, 1024)
+
+
+AMX = kernels.lut() is not None and bool(torch.ops.wscompress.lut_amx())
+
+
+@pytest.mark.skipif(not AMX, reason="no AMX tiles here (amx_bf16) or kernels not built")
+@pytest.mark.parametrize("d, bits, group_size, outliers, scaled", [(1, 4, 16, 0, False), (1, 3, 6, 7, True),
+                                                                   (2, 8, 48, 0, False), (2, 6, 6, 9, True),
+                                                                   (2, 8, 16, 4, True), (4, 8, 16, 3, False),
+                                                                   (1, 8, 16, 2, False)])
+@pytest.mark.parametrize("rows, out, inp", [(DECODE_ROWS + 5, 48, 96), (300, 130, 320)])
+def test_prefill_on_amx_tiles_multiplies_the_rounded_weight_in_bfloat16(d, bits, group_size, outliers, scaled,
+                                                                          rows, out, inp, monkeypatch):
+    """Where the CPU has AMX, prefill multiplies the weight decoding multiplies (``rounded_weights``,
+    outliers added), rounded to bfloat16, by the input rounded to bfloat16, with float32 sums:
+    that product to float summation order (and a few weights rounded the other way at a tie's
+    edge), within 0.5 % of the float product. The second shape leaves a last block of weight rows
+    short of 64 (groups: a divisor of 130) and runs the input past one block of 256 rows."""
+    lin = layer(bits, math.gcd(group_size, out), out=out, inp=inp, outliers=outliers, d=d, scaled=scaled)
+    monkeypatch.delenv("WSCOMPRESS_INT8_PREFILL", raising=False)
+    monkeypatch.delenv("WSCOMPRESS_AMX", raising=False)
+    x = torch.randn(rows, inp, generator=torch.Generator().manual_seed(bits * group_size + d))
+    w = rounded_weights(lin)[0].float()
+    if outliers:
+        row_ptr, pos, delta = lin.kernel_layout().outliers
+        w.view(-1)[pos.long()] += delta.float()
+    ref = x.bfloat16().double() @ w.bfloat16().double().T
+    ref = ref * lin.scale.double() if lin.scaled else ref
+    with torch.no_grad():
+        y = (lin(x) - lin.bias).double()
+        assert (y - ref).norm() / ref.norm() < 1e-4
+        exact = F.linear(x, lin.dense_weight()).double()
+        assert 1e-4 < (y - exact).norm() / exact.norm() < 5e-3
+        monkeypatch.setenv("WSCOMPRESS_AMX", "0")  # the path off: the integers' or float32's product
+        assert (lin(x) - lin.bias - exact).norm() / exact.norm() < 1e-3
+
+
+@pytest.mark.skipif(not AMX, reason="no AMX tiles here (amx_bf16) or kernels not built")
+def test_a_model_prefills_on_amx_tiles_where_the_cpu_has_them(tokenizer, monkeypatch):
+    """Unset (as outside the suite), WSCOMPRESS_AMX leaves a compressed model's prefill and
+    evaluation on AMX tiles: its logits within bfloat16's rounding of the float32 path's, its
+    decoding (one row) unchanged."""
+    model = tiny_model("llama")
+    wscompress.compress(model, [{"method": "kmeans", "bits": 8, "cluster_dim": 2}], tokenizer, CALIB)  # the 4-bit recipe's
+    ids = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        float32, step = model(input_ids=ids).logits, model(input_ids=ids[:1, :1]).logits
+        monkeypatch.delenv("WSCOMPRESS_AMX")
+        tiles = model(input_ids=ids).logits
+        assert 1e-5 < (tiles - float32).norm() / float32.norm() < 1e-2
+        torch.testing.assert_close(model(input_ids=ids[:1, :1]).logits, step)
 
 
 def test_a_layout_off_the_cpu_has_no_8_bit_tables():

@@ -57,7 +57,7 @@ MAX_CACHE = 4096  # longer generations keep transformers' dynamic cache (a stati
 SOURCES = ("model/forms/*.py", "kernels/__init__.py", "kernels/lut.cpp", "kernels/lowrank.cpp",
            "evaluation/step_cache.py")  # the code a step traces or calls: a change to any makes a new key
 FORCE_GQA = "TRANSFORMERS_SDPA_FORCE_GQA"  # transformers' switch: grouped K/V into attention as they are
-ENV = ("WSCOMPRESS_Q8", "WSCOMPRESS_KERNELS", "WSCOMPRESS_INT8_PREFILL", "WSCOMPRESS_MARCH")
+ENV = ("WSCOMPRESS_Q8", "WSCOMPRESS_KERNELS", "WSCOMPRESS_INT8_PREFILL", "WSCOMPRESS_AMX", "WSCOMPRESS_MARCH")
 
 _loaded: dict[str, Callable] = {}  # key -> step, loaded or compiled in this process
 

@@ -43,7 +43,7 @@ def _disabled() -> bool:
 
 # Kernels registered as PyTorch operators (torch.ops.wscompress.*), which a compiled graph calls
 # like any aten op; the others are plain Python modules (calibration's, never inside a graph).
-OPERATORS = {"lut": ("lut_linear", "lut_linear_q8", "lut_linear_i8", "lut_dense", "lut_dense_q8"),
+OPERATORS = {"lut": ("lut_linear", "lut_linear_q8", "lut_linear_i8", "lut_linear_bf16", "lut_dense", "lut_dense_q8"),
              "lowrank": ("lowrank_linear",)}
 
 
@@ -120,6 +120,8 @@ def _shape_rules(source: str) -> None:
         torch.library.register_fake("wscompress::lut_dense")(
             lambda idx, tables, width, group_size, out, in_features, row_ptr, pos, delta: tables.new_empty(out, in_features))
         torch.library.register_fake("wscompress::lut_linear_i8")(
+            lambda x, idx, tables, scales, width, group_size, out, row_ptr, pos, delta: x.new_empty(x.shape[0], out))
+        torch.library.register_fake("wscompress::lut_linear_bf16")(
             lambda x, idx, tables, scales, width, group_size, out, row_ptr, pos, delta: x.new_empty(x.shape[0], out))
         torch.library.register_fake("wscompress::lut_dense_q8")(
             lambda idx, tables, scales, width, group_size, out, in_features: tables.new_empty(2 * out, in_features))
@@ -290,7 +292,8 @@ def palettized_linear(x: torch.Tensor, indices: torch.Tensor, width: int, tables
     compute-bound, and cuBLAS on the weight decoded by torch wins there). Decoding on CPU
     multiplies 8-bit activations by the ``rounded`` tables (``wscompress_palettized.round_tables``)
     where they are given and the CPU has the instructions (``Q8``); prefill multiplies the same
-    tables in integers where ``integer_prefill`` says, else the BLAS on the decoded weight."""
+    tables on AMX tiles where ``amx_prefill`` says, else in integers where ``integer_prefill``
+    says, else the BLAS on the decoded weight."""
     if torch.is_grad_enabled() and (x.requires_grad or tables.requires_grad):
         return None
     if _triton_path(x):
@@ -300,7 +303,9 @@ def palettized_linear(x: torch.Tensor, indices: torch.Tensor, width: int, tables
         return None
     flat = x.reshape(-1, x.shape[-1]).contiguous()
     sparse = outliers or _NO_OUTLIERS
-    if flat.shape[0] > DECODE_ROWS and rounded is not None and integer_prefill(width, tables, out_features, flat.shape[1]):
+    if flat.shape[0] > DECODE_ROWS and rounded is not None and amx_prefill(width, tables):
+        y = module.lut_linear_bf16(flat, indices, *rounded, width, group_size, out_features, *sparse)
+    elif flat.shape[0] > DECODE_ROWS and rounded is not None and integer_prefill(width, tables, out_features, flat.shape[1]):
         y = module.lut_linear_i8(flat, indices, *rounded, width, group_size, out_features, *sparse)
     elif flat.shape[0] > DECODE_ROWS:  # prefill: decode this layer's dense weight once (transient), the BLAS multiplies
         w = module.lut_dense(indices, tables.detach().float().contiguous(), width, group_size, out_features, flat.shape[1], *sparse)
@@ -330,6 +335,25 @@ def integer_prefill(width: int, tables: torch.Tensor, out: int, inp: int) -> boo
 
 
 INTEGER_PREFILL_WEIGHTS = 1 << 22  # from 2048 x 2048 on the integer products gain on float32 (docs/runtime.md)
+
+
+_amx: list[bool] = []  # whether this CPU and build have AMX tiles (a global: a compiled graph reads it as a constant)
+
+
+def amx_prefill(width: int, tables: torch.Tensor) -> bool:
+    """Whether prefill and evaluation multiply this palettized layer on AMX tiles
+    (``lut_linear_bf16``: the rounded tables' values and the input in bfloat16, float32 sums,
+    through oneDNN's brgemm micro-kernel in torch): where the CPU has AMX and the build decodes
+    tables vectorised (``lut_amx``), for every layout ``integer_prefill`` takes, at every width
+    (at SmolLM2's as at 1.1B the tiles gain on float32: docs/runtime.md), unless
+    ``WSCOMPRESS_AMX=0`` or a set ``WSCOMPRESS_INT8_PREFILL`` (``1``: integers, ``0``: float32)
+    leaves prefill to ``integer_prefill``."""
+    if (os.environ.get("WSCOMPRESS_AMX", "1") == "0" or os.environ.get("WSCOMPRESS_INT8_PREFILL", "")
+            or width == 4 and tables.dim() == 3 and tables.shape[2] > 1):  # nibble vectors: float only
+        return False
+    if not _amx:
+        _amx.append(lut() is not None and bool(torch.ops.wscompress.lut_amx()))
+    return _amx[0]
 
 
 _q8: dict[int, bool] = {}  # q8()'s answers by index width (a global: a compiled graph reads it as a constant)

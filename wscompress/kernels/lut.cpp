@@ -14,6 +14,7 @@
 // in a separate gather-and-scatter over the output (which cost more than the kernel saved).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
 #include <immintrin.h>
 
 #include <algorithm>
@@ -373,7 +374,7 @@ constexpr int64_t table_bytes(int64_t width, int64_t d) { return width == 4 ? 32
 #define WSCOMPRESS_Q8_512
 #define WSCOMPRESS_Q8
 constexpr int QSTEP = 64;  // index bytes a step
-constexpr bool Q8_OFFSET = true;  // VPDPBUSD takes the tables' hi bytes unsigned: Q8X.offset corrects it
+constexpr bool Q8_OFFSET = true;  // VPDPBUSD takes the tables' hi bytes unsigned: Q8X.sum1, sum2 correct it
 #elif defined(__AVX2__)
 #define WSCOMPRESS_Q8
 constexpr int QSTEP = 32;
@@ -424,43 +425,47 @@ inline void quantize_block(const float* xb, float inv, int8_t* q1, int8_t* q2) {
 #endif
 }
 
-// Input rows as the kernel reads them: each value x of a block of 32 is s (q1 + q2 / 256) with
-// s = the block's largest magnitude / 127 and q1, q2 signed bytes (q2 rounds what q1 left, so
-// the row keeps about 16 bits: 8 alone cost 0.15 % of perplexity, docs/runtime.md). at(c, t, m):
-// term t (q1, q2) of row m for component c of C: the weights that component of an index byte
-// multiplies (x[C q + c]: nibble layouts hold weights 2q and 2q + 1 in byte q, pairs and 4-d
-// vectors are the C weights index q names, a byte a weight (C 1) is every weight in order);
-// zero-padded to whole steps. `lane`: s / 256 for each sum lane (4 index bytes: 4 C weights);
-// `offset` (AVX-512): what the tables' hi bytes add to each lane's integer sum (VPDPBUSD
-// takes them unsigned, hi + 128; `wide`: tables of 16 bits, whose sums count hi in other
-// units), taken away before the sum becomes a float, where it would cancel against the sum's
-// digits.
+// Input rows as the kernel reads them: each value x is s (q1 + q2 / 256) with q1, q2 signed bytes
+// (q2 rounds what q1 left, so the row keeps about 16 bits: 8 alone cost 0.15 % of perplexity,
+// docs/runtime.md) and s the largest magnitude / 127 of the row (AVX-512: one scale, so that
+// q8_block's sums stay integers to the row's end) or of each block of 32 (AVX2, whose 16-bit
+// pair sums VPMADDUBSW makes are scaled into floats a block at a time). at(c, t, m): term t (q1,
+// q2) of row m for component c of C: the weights that component of an index byte multiplies
+// (x[C q + c]: nibble layouts hold weights 2q and 2q + 1 in byte q, pairs and 4-d vectors are
+// the C weights index q names, a byte a weight (C 1) is every weight in order); zero-padded to
+// whole steps. `lane` (AVX2): s / 256 for each sum lane (4 index bytes: 4 C weights); `row`
+// (AVX-512): s / 256 of each row, and `sum1`, `sum2` its q1 and q2 summed, which the tables'
+// hi bytes (taken unsigned by VPDPBUSD, hi + 128) add 128 times to the hi sums.
 struct Q8X {
   int64_t span, lanes, parts;
   std::vector<int8_t> bytes;
-  std::vector<float> lane;
-  std::vector<int32_t> offset;  // AVX-512 only (empty on AVX2, whose VPMADDUBSW takes hi signed)
+  std::vector<float> lane;  // AVX2 only
+  std::vector<float> row;  // AVX-512 only: s / 256 of each row
+  std::vector<int64_t> sum1, sum2;  // AVX-512 only: each row's q1 and q2 summed (what hi + 128 adds)
 
-  Q8X(const float* x, int64_t M, int64_t in, int C, bool wide)
-      : span((in / C + QSTEP - 1) / QSTEP * QSTEP), lanes(span / 4), parts(C),
-        bytes(M * 2 * parts * span), lane(M * lanes), offset(Q8_OFFSET ? M * lanes : 0) {
+  Q8X(const float* x, int64_t M, int64_t in, int C)
+      : span((in / C + QSTEP - 1) / QSTEP * QSTEP), lanes(span / 4), parts(C), bytes(M * 2 * parts * span),
+        lane(Q8_OFFSET ? 0 : M * lanes), row(Q8_OFFSET ? M : 0), sum1(Q8_OFFSET ? M : 0), sum2(Q8_OFFSET ? M : 0) {
     const int per_block = QBLOCK / (4 * C);  // lanes a block
     std::vector<int8_t> q1(in), q2(in);
     for (int64_t m = 0; m < M; ++m) {
-      for (int64_t b = 0; b < in / QBLOCK; ++b) {
-        const float* xb = x + m * in + b * QBLOCK;
-        const float amax = block_amax(xb);
-        const float scale = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-        quantize_block(xb, inv, q1.data() + b * QBLOCK, q2.data() + b * QBLOCK);
-        for (int l = 0; l < per_block; ++l) lane[m * lanes + b * per_block + l] = scale / 256.f;
-      }
-      // a lane's weights: 4 C from weight 4 C l; hi counts 4096 q1 + 16 q2 (wide: 256 q1 + q2)
-      if constexpr (Q8_OFFSET) {
-        const int64_t per_lane = QBLOCK / per_block;
-        for (int64_t l = 0; l < in / per_lane; ++l) {
-          int32_t s1 = 0, s2 = 0;
-          for (int64_t j = l * per_lane; j < (l + 1) * per_lane; ++j) s1 += q1[j], s2 += q2[j];
-          offset[m * lanes + l] = wide ? 128 * (256 * s1 + s2) : 128 * (4096 * s1 + 16 * s2);
+      if constexpr (Q8_OFFSET) {  // one scale a row, so that its sums stay integers to its end (q8_block)
+        float amax = 0.f;
+        for (int64_t b = 0; b < in / QBLOCK; ++b) amax = std::max(amax, block_amax(x + m * in + b * QBLOCK));
+        const float inv = amax > 0.f ? 127.f / amax : 0.f;
+        for (int64_t b = 0; b < in / QBLOCK; ++b)
+          quantize_block(x + m * in + b * QBLOCK, inv, q1.data() + b * QBLOCK, q2.data() + b * QBLOCK);
+        row[m] = amax / 127.f / 256.f;
+        int64_t s1 = 0, s2 = 0;
+        for (int64_t j = 0; j < in; ++j) s1 += q1[j], s2 += q2[j];
+        sum1[m] = s1, sum2[m] = s2;
+      } else {
+        for (int64_t b = 0; b < in / QBLOCK; ++b) {
+          const float* xb = x + m * in + b * QBLOCK;
+          const float amax = block_amax(xb);
+          const float scale = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+          quantize_block(xb, inv, q1.data() + b * QBLOCK, q2.data() + b * QBLOCK);
+          for (int l = 0; l < per_block; ++l) lane[m * lanes + b * per_block + l] = scale / 256.f;
         }
       }
       for (int t = 0; t < 2; ++t) {
@@ -558,50 +563,52 @@ struct Q8Table {
   }
 };
 
+// Weight rows ahead whose lines a block asks for (the same column): one block of N ahead (4 KB at
+// TinyLlama's 2048 inputs) read 6.8 GB/s of the 4-bit recipe's indices on a Sapphire Rapids core
+// from memory where the same product from L2 read 10.3; 16 rows ahead read 9.1, 32 rows 7.5
+// (docs/runtime.md)
+constexpr int64_t Q8_AHEAD = 16;
+
 template <int W, int D, int M, int N>
 inline void q8_block(const Q8Table<W, D>& tab, const Q8X& x, const uint8_t* idx, int64_t row_bytes, Sparse sp,
                      const float* xf, int64_t in, int64_t out, float* y, int64_t r) {
-  __m512 acc[N][M];
+  // the three products' sums, each exact in int32 over a whole row (|hi + 128| <= 255, |q| <= 127:
+  // 16 lanes of 4 bytes reach 2^31 past a million inputs): hi q1, lo q1 and hi q2. Kept apart to
+  // the row's end, they cost the step only its byte products (a block's sums scaled into floats
+  // took 8 more instructions a row and step than its 6 products at 4 bits)
+  __m512i s1[N][M], s2[N][M], s3[N][M];
   for (int i = 0; i < N; ++i)
-    for (int m = 0; m < M; ++m) acc[i][m] = _mm512_setzero_ps();
+    for (int m = 0; m < M; ++m) s1[i][m] = s2[i][m] = s3[i][m] = _mm512_setzero_si512();
   constexpr int C = components<W, D>();
   const int64_t units = W == 6 ? row_bytes / 3 * 4 : row_bytes;  // index bytes a row as decoded (6 bits: one a byte)
   for (int64_t q = 0; q < units; q += 64) {
     const int64_t at = W == 6 ? q / 4 * 3 : q;  // where they are stored
-    __m512i xs[M][2][C], off[M];  // term, component
-    __m512 sc[M];
-    for (int m = 0; m < M; ++m) {
+    __m512i xs[M][2][C];  // term, component
+    for (int m = 0; m < M; ++m)
       for (int t = 0; t < 2; ++t)
         for (int c = 0; c < C; ++c) xs[m][t][c] = _mm512_loadu_si512(x.at(c, t, m) + q);
-      sc[m] = _mm512_loadu_ps(x.lane.data() + m * x.lanes + q / 4);
-      off[m] = _mm512_loadu_si512(x.offset.data() + m * x.lanes + q / 4);
-    }
     for (int i = 0; i < N; ++i) {
       __m512i h[C], l[C];
       tab.decode(idx + (r + i) * row_bytes + at, units - q, h, l);
-      prefetch(idx + (r + i + N) * row_bytes + at);
-      for (int m = 0; m < M; ++m) {
-        auto dot = [&](const __m512i (&w)[C], int t) {  // the components' sums against term t
-          __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], xs[m][t][0]);
-          for (int c = 1; c < C; ++c) d = _mm512_dpbusd_epi32(d, w[c], xs[m][t][c]);
-          return d;
-        };
-        // (16 hi + lo)(256 q1 + q2) without lo q2, which stays below 2^-12 of the largest product;
-        // wide: (256 hi + lo)(256 q1 + q2) / 256 without lo q2 / 256 (2^-16)
-        __m512i d;
-        if constexpr (wide(D)) {
-          d = _mm512_add_epi32(_mm512_slli_epi32(dot(h, 0), 8), _mm512_add_epi32(dot(l, 0), dot(h, 1)));
-        } else {
-          const __m512i first = _mm512_add_epi32(_mm512_slli_epi32(dot(h, 0), 4), dot(l, 0));
-          d = _mm512_add_epi32(_mm512_slli_epi32(first, 8), _mm512_slli_epi32(dot(h, 1), 4));
+      prefetch(idx + (r + i + Q8_AHEAD) * row_bytes + at);
+      for (int m = 0; m < M; ++m)
+        for (int c = 0; c < C; ++c) {
+          s1[i][m] = _mm512_dpbusd_epi32(s1[i][m], h[c], xs[m][0][c]);
+          s2[i][m] = _mm512_dpbusd_epi32(s2[i][m], l[c], xs[m][0][c]);
+          s3[i][m] = _mm512_dpbusd_epi32(s3[i][m], h[c], xs[m][1][c]);
         }
-        d = _mm512_sub_epi32(d, off[m]);
-        acc[i][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), sc[m], acc[i][m]);
-      }
     }
   }
+  // (16 hi + lo)(256 q1 + q2) without lo q2, which stays below 2^-12 of the largest product;
+  // wide: (256 hi + lo)(256 q1 + q2) / 256 without lo q2 / 256 (2^-16). The tables' hi + 128 added
+  // 128 q to each hi sum: taken away in integers, where it would cancel against the sum's digits.
   for (int i = 0; i < N; ++i)
-    for (int m = 0; m < M; ++m) q8_store(tab.scale * _mm512_reduce_add_ps(acc[i][m]), sp, xf + m * in, y + m * out, r + i);
+    for (int m = 0; m < M; ++m) {
+      const int64_t hq1 = _mm512_reduce_add_epi32(s1[i][m]) - 128 * x.sum1[m];
+      const int64_t lq1 = _mm512_reduce_add_epi32(s2[i][m]), hq2 = _mm512_reduce_add_epi32(s3[i][m]) - 128 * x.sum2[m];
+      const double d = wide(D) ? 256. * hq1 + lq1 + hq2 : 4096. * hq1 + 256. * lq1 + 16. * hq2;
+      q8_store(static_cast<float>(d * x.row[m]) * tab.scale, sp, xf + m * in, y + m * out, r + i);
+    }
 }
 #else
 // AVX2: tables VPSHUFB reaches, hi signed and lo in 0..15, each 16 entries in both 128-bit
@@ -724,7 +731,7 @@ template <int W, int D, int M>
 void q8_gemv(const float* xf, const uint8_t* idx, const int8_t* tables, const float* scales, int64_t gs, int64_t in,
              int64_t out, Sparse sp, float* y) {
   constexpr int R = M == 1 || M == 2 ? 4 : M <= 4 ? 2 : 1;
-  const Q8X x(xf, M, in, components<W, D>(), wide(D));
+  const Q8X x(xf, M, in, components<W, D>());
   at::parallel_for(0, out, 64, [&](int64_t r0, int64_t r1) { q8_rows<W, D, M, R>(x, xf, idx, tables, scales, gs, in, out, sp, y, r0, r1); });
 }
 #endif  // WSCOMPRESS_Q8
@@ -1324,6 +1331,105 @@ torch::Tensor linear_i16(const torch::Tensor& x, const torch::Tensor& idx, const
     }
   });
 }
+
+// ---- Prefill on AMX tiles: bfloat16 products, float32 sums ----
+// Where the CPU has AMX (lut_amx), oneDNN's brgemm micro-kernel through torch's own
+// at::native::cpublas::brgemm multiplies bfloat16 tiles into float32 sums at about six times the
+// float32 BLAS's rate; the 16-bit integer path above reaches less than half of that. Each thread
+// decodes BF16_ROWS weight rows (the rounded tables' values times their group's scale, outliers
+// added, rounded to bfloat16) into the pair-interleaved layout the tiles read (VNNI: pair t of
+// row n at t * BF16_ROWS + n), a few hundred KB that stay in L2 while the input's rows stream
+// past them BF16_INPUTS at a time. The input is rounded to bfloat16 once a call; the sums stay
+// float32 up to the output.
+constexpr int64_t BF16_ROWS = 64;
+constexpr int64_t BF16_INPUTS = 256;
+
+// v rounded to bfloat16 (nearest even; the weights and inputs are finite), 16 values as 16 bits
+inline __m256i bf16_bits(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16));
+}
+
+// Weight rows r0 .. r0 + n - 1 (n <= BF16_ROWS) in bfloat16, pair-interleaved into vnni
+// (f: a row of floats, rows: 16 rows of bfloat16, the buffers a thread reuses)
+template <int W, int D>
+void bf16_rows(const uint8_t* idx, const int8_t* tables, const float* scales, int64_t gs, int64_t in, const Sparse& sp,
+               int64_t r0, int64_t n, float* f, uint16_t* rows, uint32_t* vnni) {
+  const int64_t row_bytes = in / D * W / 8, pairs = in / 2;
+  const __m512 unit = _mm512_set1_ps(wide(D) ? 256.f : 16.f);  // v = unit hi + lo (see round_tables)
+  Q8Table<W, D> tab;
+  int64_t loaded = -1;
+  for (int64_t s0 = 0; s0 < n; s0 += 16) {
+    for (int64_t i = 0; i < 16; ++i) {
+      const int64_t r = r0 + s0 + i;
+      uint16_t* b = rows + i * in;
+      if (s0 + i >= n) {  // past the last row: zeros, which the product leaves out (its N is n)
+        std::fill(b, b + in, uint16_t{0});
+        continue;
+      }
+      if (r / gs != loaded) tab.load(tables + r / gs * table_bytes(W, D), 1.f), loaded = r / gs;
+      const __m512 scale = _mm512_set1_ps(scales[r / gs]);
+      q8_dense_row<W, D>(tab, idx + r * row_bytes, W == 4 ? row_bytes : in / D, in, [&](int64_t at, int64_t k, __m512i h, __m512i l) {
+        alignas(64) int8_t hb[64], lb[64];
+        _mm512_store_si512(hb, h), _mm512_store_si512(lb, l);
+        for (int64_t q = 0; 16 * q < k; ++q) {
+          const __m128i hq = _mm_load_si128(reinterpret_cast<const __m128i*>(hb + 16 * q));
+          const __m128i lq = _mm_load_si128(reinterpret_cast<const __m128i*>(lb + 16 * q));
+          // 4-d vectors' lo bytes come signed (lo - 128), the others' as 0..15
+          const __m512 lo = wide(D) ? _mm512_add_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lq)), _mm512_set1_ps(128.f))
+                                    : _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lq));
+          const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hq)), unit, lo);
+          _mm512_storeu_ps(f + at + 16 * q, _mm512_mul_ps(v, scale));
+        }
+      });
+      if (sp.row_ptr)
+        for (int64_t p = sp.row_ptr[r]; p < sp.row_ptr[r + 1]; ++p) f[sp.col(p, r)] += sp.d(p);
+      for (int64_t j = 0; j < in; j += 16)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(b + j), bf16_bits(_mm512_loadu_ps(f + j)));
+    }
+    // 16 rows' pairs (32 bits each) transposed 16 x 16 at a time into their columns of vnni
+    for (int64_t t0 = 0; t0 < pairs; t0 += 16) {  // in is a multiple of 32: whole steps
+      __m512 v[16];
+      for (int i = 0; i < 16; ++i) v[i] = _mm512_loadu_ps(reinterpret_cast<const float*>(rows + i * in + 2 * t0));
+      transpose16(v);
+      for (int j = 0; j < 16; ++j) _mm512_storeu_ps(reinterpret_cast<float*>(vnni + (t0 + j) * BF16_ROWS + s0), v[j]);
+    }
+  }
+}
+
+torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& idx, const torch::Tensor& tables,
+                          const torch::Tensor& scales, int64_t width, int64_t group_size, int64_t out, const Sparse& sp,
+                          int64_t d) {
+  const int64_t rows = x.size(0), in = x.size(1);
+  const torch::Tensor xb = x.to(torch::kBFloat16).contiguous();
+  auto y = torch::empty({rows, out}, x.options());
+  const at::BFloat16* xp = xb.data_ptr<at::BFloat16>();
+  const uint8_t* ip = idx.data_ptr<uint8_t>();
+  const int8_t* tp = tables.data_ptr<int8_t>();
+  const float* sc = scales.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, (out + BF16_ROWS - 1) / BF16_ROWS, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> f(in);
+    std::vector<uint16_t> rows16(16 * in);
+    std::vector<uint32_t> vnni(in / 2 * BF16_ROWS);
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t r0 = b * BF16_ROWS, n = std::min(BF16_ROWS, out - r0);
+      auto run = [&](auto rows_of) { rows_of(ip, tp, sc, group_size, in, sp, r0, n, f.data(), rows16.data(), vnni.data()); };
+      if (width == 4) run(bf16_rows<4, 1>);
+      else if (width == 6) run(bf16_rows<6, 2>);
+      else if (d == 1) run(bf16_rows<8, 1>);
+      else if (d == 2) run(bf16_rows<8, 2>);
+      else run(bf16_rows<8, 4>);
+      const auto* w = reinterpret_cast<const at::BFloat16*>(vnni.data());
+      for (int64_t m0 = 0; m0 < rows; m0 += BF16_INPUTS)
+        at::native::cpublas::brgemm(std::min(BF16_INPUTS, rows - m0), n, in, in, BF16_ROWS, out, false, xp + m0 * in, w,
+                                    yp + m0 * out + r0, true);
+    }
+    at::native::cpublas::brgemm_release(true);  // the thread's tile configuration
+  });
+  return y;
+}
 #endif
 
 // Prefill's product on the weight decoding multiplies, in integers, with the scales and the
@@ -1339,6 +1445,33 @@ torch::Tensor lut_linear_i8(torch::Tensor x, torch::Tensor idx, torch::Tensor ta
   if (!wide(d)) return linear_i16(x, idx, tables, scales, width, group_size, out, sp, d);
 #endif
   return linear_i8(x, idx, tables, scales, width, group_size, out, sp, d);
+}
+
+// Whether prefill can multiply on AMX tiles (lut_linear_bf16): a build with AVX-512 VBMI and VNNI
+// (its table decoding) on a CPU whose AMX oneDNN's brgemm micro-kernel runs.
+bool lut_amx() {
+#ifdef WSCOMPRESS_Q8_512
+  return at::native::cpublas::could_pack(at::kBFloat16);
+#else
+  return false;
+#endif
+}
+
+// Prefill's product on AMX tiles (see linear_bf16): x @ W^T with W the rounded tables' values
+// (round_tables, as lut_linear_i8 reads them) and the outliers, in bfloat16 with float32 sums.
+torch::Tensor lut_linear_bf16(torch::Tensor x, torch::Tensor idx, torch::Tensor tables, torch::Tensor scales,
+                              int64_t width, int64_t group_size, int64_t out, torch::Tensor row_ptr, torch::Tensor pos,
+                              torch::Tensor delta) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x: contiguous float32 (batch, in)");
+  TORCH_CHECK(lut_amx(), "no AMX here (see lut_amx)");
+  TORCH_CHECK(x.size(1) % 32 == 0, "rows of a multiple of 32 weights");
+  const int64_t d = q8_vector_length(idx, tables, scales, width, group_size, out, x.size(1));
+  TORCH_CHECK(width != 4 || d == 1, "nibble vectors have no bfloat16 path");
+#ifdef WSCOMPRESS_Q8_512
+  return linear_bf16(x, idx, tables, scales, width, group_size, out, sparse(row_ptr, pos, delta, out, x.size(1)), d);
+#else
+  return {};  // unreachable: lut_amx said no
+#endif
 }
 
 // The dense (out, in) weight, outliers included (prefill decodes it and hands it to the BLAS).
@@ -1358,11 +1491,14 @@ TORCH_LIBRARY_FRAGMENT(wscompress, m) {
   m.def("lut_linear_q8(Tensor x, Tensor idx, Tensor tables, Tensor scales, int width, int group_size, int out, "
         "Tensor row_ptr, Tensor pos, Tensor delta, Tensor? row_scale=None) -> Tensor");
   m.def("lut_q8(int width) -> bool", &lut_q8);
+  m.def("lut_amx() -> bool", &lut_amx);
   m.def("lut_dense(Tensor idx, Tensor tables, int width, int group_size, int out, int in_features, Tensor row_ptr, "
         "Tensor pos, Tensor delta) -> Tensor");
   m.def("lut_dense_q8(Tensor idx, Tensor tables, Tensor scales, int width, int group_size, int out, int in_features) "
         "-> Tensor");
   m.def("lut_linear_i8(Tensor x, Tensor idx, Tensor tables, Tensor scales, int width, int group_size, int out, "
+        "Tensor row_ptr, Tensor pos, Tensor delta) -> Tensor");
+  m.def("lut_linear_bf16(Tensor x, Tensor idx, Tensor tables, Tensor scales, int width, int group_size, int out, "
         "Tensor row_ptr, Tensor pos, Tensor delta) -> Tensor");
 }
 
@@ -1372,4 +1508,5 @@ TORCH_LIBRARY_IMPL(wscompress, CPU, m) {
   m.impl("lut_dense", &lut_dense);
   m.impl("lut_dense_q8", &lut_dense_q8);
   m.impl("lut_linear_i8", &lut_linear_i8);
+  m.impl("lut_linear_bf16", &lut_linear_bf16);
 }
