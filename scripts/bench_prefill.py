@@ -69,7 +69,8 @@ def main() -> None:
         args.threads, args.rounds = [1], 1
     gen = torch.Generator().manual_seed(0)
     rows = []
-    default = "AMX tiles" if kernels.lut() is not None and torch.ops.wscompress.lut_amx() else "integers from 4M weights"
+    default = ("AMX tiles" if kernels.lut() is not None and torch.ops.wscompress.lut_amx()
+               else f"integers from {kernels.INTEGER_PREFILL_WEIGHTS} weights")
     for shape, dims in shapes.items():
         hidden, ffn, repeat, kv = dims["hidden"], dims["ffn"], dims["layers"], dims["kv_heads"] * dims["head_dim"]
         inputs = {n: torch.randn(args.tokens, n, generator=gen) for n in (hidden, ffn)}

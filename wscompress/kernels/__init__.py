@@ -329,12 +329,17 @@ def integer_prefill(width: int, tables: torch.Tensor, out: int, inp: int) -> boo
     ones for 12-bit tables, three 8-bit ones for 4-d vectors' 16-bit tables); at SmolLM2's
     widths evaluation measured slower with them (docs/runtime.md)."""
     choice = os.environ.get("WSCOMPRESS_INT8_PREFILL", "")
-    if choice == "0" or width == 4 and tables.dim() == 3 and tables.shape[2] > 1:  # nibble vectors: float only
+    if choice == "0" or _nibble_vectors(width, tables):
         return False
     return choice == "1" or q8(8) and out * inp >= INTEGER_PREFILL_WEIGHTS
 
 
 INTEGER_PREFILL_WEIGHTS = 1 << 22  # from 2048 x 2048 on the integer products gain on float32 (docs/runtime.md)
+
+
+def _nibble_vectors(width: int, tables: torch.Tensor) -> bool:
+    """Vectors of nibble indices, which prefill keeps in float32: their rounded tables have no decode."""
+    return width == 4 and tables.dim() == 3 and tables.shape[2] > 1
 
 
 _amx: list[bool] = []  # whether this CPU and build have AMX tiles (a global: a compiled graph reads it as a constant)
@@ -349,7 +354,7 @@ def amx_prefill(width: int, tables: torch.Tensor) -> bool:
     ``WSCOMPRESS_AMX=0`` or a set ``WSCOMPRESS_INT8_PREFILL`` (``1``: integers, ``0``: float32)
     leaves prefill to ``integer_prefill``."""
     if (os.environ.get("WSCOMPRESS_AMX", "1") == "0" or os.environ.get("WSCOMPRESS_INT8_PREFILL", "")
-            or width == 4 and tables.dim() == 3 and tables.shape[2] > 1):  # nibble vectors: float only
+            or _nibble_vectors(width, tables)):
         return False
     if not _amx:
         _amx.append(lut() is not None and bool(torch.ops.wscompress.lut_amx()))
