@@ -248,3 +248,26 @@ def test_one_factorisation_serves_every_layout_of_a_matrix(monkeypatch):
         assert torch.equal(layer.index_matrix(), alone.index_matrix()) and torch.equal(layer.codebook, alone.codebook)
         assert torch.equal(layer.outlier_value, alone.outlier_value)
     assert len(calls) == 2 * 2  # two Cholesky factorisations a vector length: d = 2 and d = 4
+
+
+def test_a_budget_counts_what_the_targets_holders_store_for_them(tokenizer, tmp_path):
+    """After ``rotate`` the budget's targets are the turned weights inside each RotatedLinear, and
+    the rotation's signs (a byte a column) are within the budget too: the folder's stored bytes of
+    the rotated layers, signs included, meet it to the byte."""
+    model = tiny_model("llama")
+    weights = sum(m.weight.numel() for n, m in model.named_modules() if isinstance(m, nn.Linear) and ".layers." in n)
+    report = wscompress.compress(model, [{"method": "rotate", "block": 16},
+                                         {"method": "kmeans", "budget": {"bits_per_weight": 3.6}, "menu": MIXED,
+                                          **QUICK}], tokenizer, CALIBRATION)[1]
+    budget = report["budget"]
+    holders = {n.rpartition(".")[0] for n, m in model.named_modules() if isinstance(m, PalettizedLinear)}
+    signs = sum(model.get_submodule(n).signs.numel() for n in holders)
+    assert budget["beside_bytes"] == signs > 0
+    assert budget["bytes"] == int(3.6 * weights // 8) and budget["used_bytes"] <= budget["bytes"]
+    storage.save(model, tokenizer, tmp_path / "model")
+    stored = 0
+    with safe_open(tmp_path / "model" / f"model.{VARIANT}.safetensors", "pt") as f:
+        for key in f.keys():
+            if key.rpartition(".")[0] in holders or key.rpartition(".")[0].rpartition(".")[0] in holders:
+                stored += f.get_tensor(key).nbytes
+    assert stored == budget["used_bytes"]

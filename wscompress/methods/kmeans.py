@@ -120,7 +120,7 @@ class KMeansConfig(TargetedStage, LayerRefit):
             fitting[name] = [cfg for cfg, problem in zip(layouts, problems) if problem is None]
         if self.budget is not None:
             weights = sum(weight_of(m).numel() for m in layers.values())
-            budget = self.budget.bytes_for(weights)
+            budget = self.budget.bytes_for(weights) - beside(model, list(layers))
             least = sum(min(layout_bytes(*reversed(dims_of(m)), cfg) for cfg in fitting[n]) for n, m in layers.items())
             dense = sum(weight_of(m).numel() * weight_of(m).element_size() for m in layers.values())
             if budget < least:
@@ -299,6 +299,17 @@ class _Palettize:
         return new, {}
 
 
+def beside(model: nn.Module, names: list[str]) -> int:
+    """Bytes the layers holding the targets store for them beside their weights (a rotation's
+    signs: the holder's ``UNCOUNTED`` tensors), which a budget counts with the targets' own:
+    everything a weight costs is within the budget's bits."""
+    total = 0
+    for name in names:
+        holder = model.get_submodule(name.rpartition(".")[0])
+        total += sum(getattr(holder, t).numel() * getattr(holder, t).element_size() for t in getattr(holder, "UNCOUNTED", ()))
+    return total
+
+
 def every_use(model: nn.Module, layers: dict[str, nn.Module]) -> list[str]:
     """Every name under which the decoder layers reach a target (calibration covers them): a
     module used by several layers is clustered on all its uses."""
@@ -329,10 +340,12 @@ def choose_layouts(model: nn.Module, cfg: KMeansConfig, layers: dict[str, nn.Mod
         partial.replace(kept)
     measured = time.perf_counter() - start
     weights = sum(weight_of(layers[n]).numel() for n in names)
-    budget = cfg.budget.bytes_for(weights)
+    around = beside(model, names)
+    budget = cfg.budget.bytes_for(weights) - around
     picks = knapsack.choose(costs, sizes, budget)
     used = int(sum(sizes[k, j] for k, j in enumerate(picks)))
-    report = {"bytes": budget, "used_bytes": used, "bits_per_weight": 8 * used / weights,
+    report = {"bytes": budget + around, "used_bytes": used + around, "beside_bytes": around,
+              "bits_per_weight": 8 * (used + around) / weights,
               "estimated_cost": float(sum(costs[k, j] for k, j in enumerate(picks))),
               "menu": [{k: v for k, v in layout.model_dump().items() if k in LAYOUT_KEYS} for layout in menu],
               "choices": {n: picks[k] for k, n in enumerate(names)}, "measurements": str(kept),
