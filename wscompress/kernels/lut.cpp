@@ -564,9 +564,8 @@ struct Q8Table {
 };
 
 // Weight rows ahead whose lines a block asks for (the same column): one block of N ahead (4 KB at
-// TinyLlama's 2048 inputs) read 6.8 GB/s of the 4-bit recipe's indices on a Sapphire Rapids core
-// from memory where the same product from L2 read 10.3; 16 rows ahead read 9.1, 32 rows 7.5
-// (docs/runtime.md)
+// TinyLlama's 2048 inputs) left the products waiting on memory, 32 rows ahead measured slower
+// than 16 (the sweep: docs/kernels.md)
 constexpr int64_t Q8_AHEAD = 16;
 
 template <int W, int D, int M, int N>
