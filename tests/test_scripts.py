@@ -159,3 +159,9 @@ def test_resident_bytes_record():
     rows = table(run_script("experiments/resident_bytes.py", "--tiny"), "layout", "loaded x stored", "compressed x stored")
     assert len(rows) == 4 and all(float(r[c]) >= 1 for r in rows for c in ("loaded x stored", "compressed x stored"))
 
+
+
+def test_token_products_record():
+    """The record behind docs/runtime.md's products of a token, at toy size: a row a shipped layout."""
+    rows = table(run_script("experiments/token_products.py", "--tiny"), "layout", "ms a token", "GB/s of indices")
+    assert len(rows) == 4 and all(int(r["products"]) == 14 and float(r["ms a token"]) > 0 for r in rows)
