@@ -69,6 +69,27 @@ def test_output_sensitivity_is_the_mean_squared_output_gradient():
     assert got == pytest.approx(expected, rel=1e-4)
 
 
+def test_output_fisher_is_each_tokens_squared_gradient_on_each_block_of_rows():
+    """Per token and block of output channels, the squared gradient summed over the block: by
+    hand, each sequence's loss differentiated at the module's output, in batch order."""
+    model = tiny_model("llama")
+    blocks = {"model.layers.0.mlp.up_proj": 4, "model.layers.2.self_attn.o_proj": 1}
+    batches = list(torch.randint(0, 512, (4, 16), generator=torch.Generator().manual_seed(2)).split(2))
+    got = calibration.output_fisher(model, blocks, batches)
+    assert all(p.requires_grad and p.grad is None for p in model.parameters())  # weights untouched
+    for name, count in blocks.items():
+        rows = []
+        for ids in torch.cat(batches).split(1):
+            seen = []
+            handle = get_module(model, name).register_forward_hook(lambda _m, _a, out: seen.append(out))
+            loss = torch.nn.functional.cross_entropy(model(input_ids=ids).logits[0, :-1], ids[0, 1:])
+            handle.remove()
+            (g,) = torch.autograd.grad(loss, seen[0])
+            rows.append(g[0].pow(2).reshape(16, count, -1).sum(-1))
+        assert got[name].shape == (64, count)
+        torch.testing.assert_close(got[name], torch.cat(rows), rtol=1e-4, atol=1e-12)
+
+
 @pytest.mark.parametrize("samples", [3, 4, 6])
 def test_sensitivities_with_the_gram_pass_equal_a_pass_of_their_own(samples, monkeypatch):
     """The calibration pass hands its first batch's forward to the sensitivity pass (the first

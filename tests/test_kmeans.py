@@ -354,9 +354,57 @@ def test_finetune_method_mode_trains_the_centroids_and_the_weights_kept_aside(tm
     torch.testing.assert_close(_outputs(storage.load(tmp_path / "m")[0], x), _outputs(model, x), rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("layout", [{"granularity": "grouped", "group_size": 16, "cluster_dim": 2},
+                                    {"granularity": "per_tensor", "cluster_dim": 2}, {"granularity": "per_channel"}])
+def test_blocks_of_rows_with_their_own_gram_matrices(layout):
+    """``objective: fisher`` hands palettize one Gram matrix a block of rows: blocks that all hold
+    the layer's one matrix give exactly its result (the codebook's groups sliced right), and a
+    block whose outputs count 10^4 times less gets almost none of the weights kept aside."""
+    from wscompress.methods.kmeans import KMeansConfig, fisher_blocks, palettize
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(256, 32, generator=gen) @ torch.randn(32, 32, generator=gen)
+    gram = (x.T @ x).double()
+    layer = torch.nn.Linear(32, 64, bias=False)
+    cfg = KMeansConfig(bits=3, outliers=0.02, row_scale=True, **layout)
+    assert fisher_blocks(cfg, 64) == 4 and fisher_blocks(cfg.model_copy(update={"fisher_blocks": 3}), 64) == 2
+    one = palettize(layer, cfg, gram)
+    four = palettize(layer, cfg, [clustering.GramFactors(gram)] * 4)
+    torch.testing.assert_close(four.dense_weight(), one.dense_weight(), rtol=0, atol=0)
+    apart = palettize(layer, cfg, [clustering.GramFactors(gram), clustering.GramFactors(gram * 1e-4)])
+    rows = apart.outlier_index.long() // 32  # flat positions in the (64, 32) weight
+    assert len(rows) == 41 and (rows < 32).sum() > 4 * (rows >= 32).sum()
+
+
+def test_fisher_objective_runs_the_gradient_pass_and_compresses(tokenizer, monkeypatch):
+    """objective: fisher takes the output gradients once, on the refit's sequences, and palettizes
+    every decoder linear on its blocks' weighted Gram matrices: another model than the layer
+    objective's, of the same size."""
+    from wscompress.pipeline import calibration
+
+    calls = []
+    fisher = calibration.output_fisher
+    monkeypatch.setattr(calibration, "output_fisher", lambda *a, **k: calls.append(a[1]) or fisher(*a, **k))
+    import wscompress.methods.kmeans as kmeans_module
+    monkeypatch.setattr(kmeans_module, "output_fisher", calibration.output_fisher)
+    stage = {"method": "kmeans", "bits": 4, "cluster_dim": 2, "granularity": "grouped", "group_size": 16, "row_scale": True}
+    ids = torch.randint(0, 500, (2, 32), generator=torch.Generator().manual_seed(4))
+    models = {}
+    for objective in ("layer", "fisher"):
+        models[objective] = tiny_model("llama")
+        report = wscompress.compress(models[objective], [{**stage, "objective": objective}], tokenizer, CALIB)
+    assert len(calls) == 1 and len(calls[0]) == 28 and set(calls[0].values()) == {4, 2}  # k/v: 32 rows, 2 blocks of 16
+    layers = [{n: m for n, m in models[o].named_modules() if isinstance(m, PalettizedLinear)} for o in models]
+    assert layers[0].keys() == layers[1].keys() and any(
+        not torch.equal(layers[0][n].dense_weight(), layers[1][n].dense_weight()) for n in layers[0])
+    with torch.no_grad():
+        assert torch.isfinite(models["fisher"](ids).logits).all()
+
+
 @pytest.mark.parametrize("stage,where", [
     ({"bits": 0}, "bits"), ({"bits": 9}, "bits"), ({"granularity": "grouped"}, "group_size"),
     ({"group_size": 4}, "group_size"), ({"cluster_dim": 0}, "cluster_dim"), ({"init": "random"}, "init"),
+    ({"objective": "fisher", "refit": False}, "objective: fisher"),
 ])
 def test_bad_options_rejected_up_front(stage, where):
     with pytest.raises(UsageError, match=where):

@@ -10,7 +10,9 @@ a small fraction of the most sensitive weights is kept aside in fp16 (``outliers
 dense-and-sparse split of SqueezeLLM) and codebooks are stored in fp16. With ``refit`` (the
 default) the decoder layers are palettized in one layer-by-layer pass on the inputs the
 compressed model itself produces, each module for the weight that best reproduces the original
-layer there (``_Palettize``), instead of on the original model's statistics. With
+layer there (``_Palettize``), instead of on the original model's statistics; ``objective:
+fisher`` weighs that pass's Gram matrices, a block of output channels at a time, by the end
+loss's squared gradients (GuidedQuant). With
 ``sensitivity: none``, ``error_feedback: false`` and ``refit: false`` it needs no calibration
 data at all (the fast path). The k-means algorithms themselves are in ``wscompress/clustering.py``.
 
@@ -42,10 +44,11 @@ from ..io.data import first_samples
 from ..io.files import cache_dir
 from ..maths import knapsack
 from ..maths.clustering import GramFactors, assign, cluster
-from ..maths.linalg import solve_coefficients
+from ..maths.linalg import add_gram, solve_coefficients, symmetrize
 from ..model.arch import Conv1D, dims_of, discover, target_layers, tied_to_embeddings, weight_of
 from ..model.forms.wscompress_palettized import CodebookDtype, PalettizedLinear, entropy, packed_nbytes
 from ..pipeline.layerwise import onloaded, replace_each
+from ..pipeline.calibration import output_fisher
 from ..pipeline.refit import Sums, fit_pass
 from ..pipeline.stats import SharedGrams
 from ..recipe.schema import Budget, Init, LayerRefit, TargetedStage
@@ -83,6 +86,12 @@ class KMeansConfig(TargetedStage, LayerRefit):
     error_feedback: bool = Field(True, description="choose indices column by column, pushing each column's error "
                                                    "onto the next ones through the inverse Gram matrix (GPTQ)")
     damp: float = Field(0.01, gt=0, description="error feedback: Gram dampening, relative to its mean diagonal")
+    objective: Literal["layer", "fisher"] = Field("layer", description="what the sensitivity and error feedback "
+                                                  "minimise: each layer's output error, or that error weighted by the "
+                                                  "end loss's squared gradients on each block of output channels "
+                                                  "(GuidedQuant; one more backward pass over the refit sequences)")
+    fisher_blocks: int = Field(4, gt=0, description="objective fisher: at most this many blocks of output channels a "
+                               "matrix (whole codebook groups), each with its own loss-weighted Gram matrix")
     outliers: float = Field(0.0025, ge=0, lt=0.5, description="fraction of the most sensitive weights kept aside "
                                                               "in a sparse fp16 tensor instead of the codebook")
     row_scale: bool = Field(False, description="divide each output channel by its RMS before clustering and keep "
@@ -137,6 +146,9 @@ class KMeansConfig(TargetedStage, LayerRefit):
             raise ValueError("group_size is required with granularity: grouped and only allowed with it")
         if self.menu is not None and self.budget is None:
             raise ValueError("menu is the choice of a budget: give budget too")
+        if self.objective == "fisher" and not (self.refit and self.error_feedback and self.sensitivity != "none"):
+            raise ValueError("objective: fisher weighs the refit pass's Gram matrices: it needs refit, error_feedback "
+                             "and sensitivity: activation (the defaults)")
         if self.budget is not None:
             if self.entropy_coding:
                 raise ValueError("a budget counts bytes before they are coded: use entropy_coding: false with it")
@@ -160,6 +172,14 @@ def _divisors(n: int) -> str:
 
 def group_size_of(cfg: KMeansConfig, out_features: int) -> int:
     return {"per_tensor": out_features, "per_channel": 1}.get(cfg.granularity, cfg.group_size)
+
+
+def fisher_blocks(cfg: KMeansConfig, out_features: int) -> int:
+    """Blocks of output channels ``objective: fisher`` weighs apart: the most, up to
+    ``cfg.fisher_blocks``, that split the rows into equal runs of whole codebook groups (one
+    codebook a matrix: of whole rows)."""
+    units = out_features // group_size_of(cfg, out_features) if cfg.granularity == "grouped" else out_features
+    return max(b for b in range(1, min(cfg.fisher_blocks, units) + 1) if units % b == 0)
 
 
 def check_layer(name: str, out_features: int, in_features: int, cfg) -> None:
@@ -217,19 +237,24 @@ def layer_report(name: str, weight: torch.Tensor, layer: PalettizedLinear) -> di
     return row
 
 
-def palettize(module: nn.Module, cfg: KMeansConfig, gram: torch.Tensor | GramFactors | None = None,
+def palettize(module: nn.Module, cfg: KMeansConfig, gram: torch.Tensor | GramFactors | list[GramFactors] | None = None,
               weight: torch.Tensor | None = None) -> PalettizedLinear:
     """Cluster one linear's weight (or ``weight`` in its place, (out, in)) into a PalettizedLinear
     (on the weight's device); ``gram`` (its inputs' XᵀX, or it wrapped in ``GramFactors`` where
-    several calls share its factorisation) enables the sensitivity weighting and error feedback
-    the config asks for."""
+    several calls share its factorisation; a list: one for each of as many equal blocks of rows,
+    ``objective: fisher``) enables the sensitivity weighting and error feedback the config asks
+    for."""
     w = weight_of(module).detach() if weight is None else weight
     out, inp = w.shape
     gs, d = group_size_of(cfg, out), cfg.cluster_dim
-    grams = GramFactors(gram) if isinstance(gram, torch.Tensor) else gram
-    gram = None if grams is None else grams.gram
-    energy = gram.diagonal().float().clamp_min(0).to(w.device) if gram is not None and cfg.sensitivity != "none" else \
-        torch.ones(inp, device=w.device)
+    blocks = [] if gram is None else [GramFactors(g) if isinstance(g, torch.Tensor) else g
+                                      for g in (gram if isinstance(gram, list) else [gram])]
+    run = out // max(len(blocks), 1)  # rows a block
+    # each weight's input energy, as its row's block sees it: (rows or 1, in)
+    energy = torch.ones(1, inp, device=w.device)
+    if blocks and cfg.sensitivity != "none":
+        diagonals = [b.gram.diagonal().float().clamp_min(0).to(w.device)[None] for b in blocks]
+        energy = diagonals[0] if len(blocks) == 1 else torch.cat([e.expand(run, -1) for e in diagonals])
     store = lambda t: t.to(getattr(torch, cfg.codebook_dtype)).to(w.dtype)  # noqa: E731  (rounded as saved)
     scale = None
     if cfg.row_scale:  # rounded as stored, so that clustering and feedback see the values the layer computes with
@@ -246,8 +271,13 @@ def palettize(module: nn.Module, cfg: KMeansConfig, gram: torch.Tensor | GramFac
     codebook, idx = cluster(norm.reshape(out // gs, gs * inp // d, d), cfg.bits, cfg.init, cfg.iterations, cfg.n_init,
                             cfg.seed, weights.reshape(out // gs, -1))
     codebook = store(codebook)  # feedback sees the stored values
-    if cfg.error_feedback and gram is not None:  # rows are independent in GPTQ: scaling one scales its problem
-        idx, values = assign(norm, codebook, gs, grams, aside if count else None, cfg.damp)
+    if cfg.error_feedback and blocks:  # rows are independent in GPTQ: scaling one scales its problem, and each
+        parts = []                      # block of rows can have its own Gram matrix
+        for k, factors in enumerate(blocks):
+            a, b = k * run, (k + 1) * run
+            book, size = (codebook, b - a) if codebook.shape[0] == 1 else (codebook[a // gs:b // gs], gs)
+            parts.append(assign(norm[a:b], book, size, factors, aside[a:b] if count else None, cfg.damp))
+        idx, values = torch.cat([i for i, _ in parts]), torch.cat([v for _, v in parts])
         values = values if scale is None else values * scale[:, None].expand(-1, inp)[aside]
     else:
         idx, values = idx.reshape(out, inp // d), w[aside]
@@ -277,15 +307,26 @@ class _Palettize:
     the weight that best reproduces its target on those inputs, W̃ = argmin ‖X'·W̃ᵀ − X·Wᵀ‖²
     + λ‖W̃ − W‖² = (W·H + λ·W)(G + λ·I)⁻¹: o then makes up for q/k/v's error, down for the
     attention's and gate/up's; W itself where the target reads X' too (the layer's first
-    modules)."""
+    modules). With ``fisher`` (name -> (tokens, blocks), ``calibration.output_fisher``) each
+    module's blocks of rows are clustered on G weighted token by token by the end loss's
+    squared gradients on that block's outputs instead."""
 
     def __init__(self, modules: dict[str, nn.Module], weights: dict[str, torch.Tensor], same: bool, _dtype: torch.dtype,
-                 cfg: KMeansConfig, layouts: Mapping[str, KMeansConfig], rows: list[dict]):
+                 cfg: KMeansConfig, layouts: Mapping[str, KMeansConfig], rows: list[dict],
+                 fisher: Mapping[str, torch.Tensor]):
         self.modules, self.weights, self.cfg, self.layouts, self.rows = modules, weights, cfg, layouts, rows
         self.sums = Sums(same)
+        self.fisher = {n: fisher[n] for n in modules if n in fisher}
+        self.weighted: dict[str, list[torch.Tensor | None]] = {n: [None] * f.shape[1] for n, f in self.fisher.items()}
+        self.seen = 0  # tokens summed so far: the batches come in calibration order
 
     def add(self, x: torch.Tensor, x_ref: torch.Tensor | None) -> None:
         self.sums.add(x, x_ref)
+        for name, f in self.fisher.items():
+            part = f[self.seen:self.seen + len(x)].to(x.device, x.dtype).sqrt()
+            for k, acc in enumerate(self.weighted[name]):
+                self.weighted[name][k] = add_gram(acc, x * part[:, k:k + 1])
+        self.seen += len(x)
 
     def finish(self) -> tuple[dict[str, nn.Module], dict[str, torch.Tensor]]:
         gram, cross = self.sums.gram(), self.sums.cross
@@ -294,7 +335,8 @@ class _Palettize:
             w = self.weights[name]
             best = w if cross is None else \
                 solve_coefficients(gram, w.double() @ cross.to(w.device), self.cfg.ridge, w).to(w.dtype)
-            new[name] = palettize(module, self.layouts[name], grams, best)
+            stats = [GramFactors(symmetrize(g)) for g in self.weighted[name]] if name in self.fisher else grams
+            new[name] = palettize(module, self.layouts[name], stats, best)
             self.rows.append(layer_report(name, w, new[name]))
         return new, {}
 
@@ -324,7 +366,8 @@ def choose_layouts(model: nn.Module, cfg: KMeansConfig, layers: dict[str, nn.Mod
     by what keys the calibration statistics, the stage's clustering options and the menu), so a
     sweep over budgets measures once. Returns name -> its layout, and the report of the choice."""
     menu, names = cfg.layouts(), [n for group in by_layer.values() for n in group]
-    options = cfg.model_dump(exclude={"budget", "menu", "refit", "refit_target", "refit_samples", "ridge"})
+    options = cfg.model_dump(exclude={"budget", "menu", "refit", "refit_target", "refit_samples", "ridge", "objective",
+                                      "fisher_blocks"})  # the refit pass's own: the measurement does not read them
     key = json.dumps({"statistics": ctx.stats_meta(model), "stage": options, "names": names, "every": MEASURE_EVERY,
                       "menu": [layout.model_dump() for layout in menu]}, sort_keys=True, default=str)
     kept = cache_dir() / "budget" / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.npz"
@@ -415,9 +458,13 @@ def apply(model: nn.Module, cfg: KMeansConfig, ctx) -> dict:
     rows: list[dict] = []
     label = f"kmeans {'budget' if budget else f'{cfg.bits}-bit'}"
     if cfg.refit and set(by_layer) - {None}:  # the decoder layers' modules, in one pass over the calibration data
-        fit_pass(model, arch, first_samples(ctx.calibration(), cfg.refit_samples), lambda i: {n: layers[n] for n in by_layer.get(i, [])},
-                 lambda *args: _Palettize(*args, cfg=cfg, layouts=layouts, rows=rows), cfg.refit_target, ctx.dtype(model),
-                 label=f"{label}: decoder layers clustered and refit")
+        batches = first_samples(ctx.calibration(), cfg.refit_samples)
+        inside = [n for i, names in by_layer.items() if i is not None for n in names]
+        fisher = output_fisher(model, {n: fisher_blocks(layouts[n], weight_of(layers[n]).shape[0]) for n in inside},
+                               batches, ctx.dtype(model)) if cfg.objective == "fisher" else {}
+        fit_pass(model, arch, batches, lambda i: {n: layers[n] for n in by_layer.get(i, [])},
+                 lambda *args: _Palettize(*args, cfg=cfg, layouts=layouts, rows=rows, fisher=fisher), cfg.refit_target,
+                 ctx.dtype(model), label=f"{label}: decoder layers clustered and refit")
         by_layer = {None: by_layer[None]} if None in by_layer else {}
     elif cfg.needs_statistics and (every := every_use(model, layers)):
         grams = SharedGrams(model, every, ctx.stats(model, every))

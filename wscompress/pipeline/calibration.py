@@ -1,6 +1,7 @@
 """Calibration statistics, layer by layer: the Gram matrices of every decoder-layer linear's inputs
-(XᵀX, float64, streamed to disk a layer at a time) and the output sensitivities that rank
-allocation weighs errors by."""
+(XᵀX, float64, streamed to disk a layer at a time), the output sensitivities that rank
+allocation weighs errors by, and the per-token output gradients that k-means' ``objective:
+fisher`` weighs its Gram matrices by (both from one backward sweep, ``_backward_sweep``)."""
 
 from __future__ import annotations
 
@@ -120,38 +121,74 @@ def output_sensitivity(model: nn.Module, names: list[str], batches: list[torch.T
     """Fisher-style sensitivity of each named linear: the mean over calibration tokens and output
     channels of (∂L/∂y)², L a sequence's mean next-token loss and y the module's output, from the
     first ``samples`` calibration sequences. An error δ in that output raises the loss by about
-    ½·sensitivity·‖δ‖², so it converts a module's output error into model loss.
-
-    Computed layer by layer like the statistics, so memory holds one layer, not the model: a
-    forward pass keeps every layer's inputs for a batch of sequences, the loss's gradient is
-    taken at the last layer's output (one sequence at a time through the head), and the
-    backward walks the layers in reverse, recomputing one layer at a time and passing the
-    gradient at its input on. The weights get no gradients; a module used by several layers
-    sums over its uses. The layers run in ``dtype`` (default: the model's), the head in the
-    model's. Under torchrun each rank takes its share of the sequences. ``forward``, when
-    given, is the first chunk's forward already run (every layer's inputs, the last one's
-    output), as the Gram pass runs it for its first batch.
+    ½·sensitivity·‖δ‖², so it converts a module's output error into model loss. Under torchrun
+    each rank takes its share of the sequences. ``forward``, when given, is the first chunk's
+    forward already run (every layer's inputs, the last one's output), as the Gram pass runs it
+    for its first batch.
     """
-    arch = discover(model)
-    offload = offload_of(model)
     modules = {n: get_module(model, n) for n in names}
     sums = {id(m): torch.zeros((), dtype=torch.float64) for m in modules.values()}
     rank, size = world()
     rows = first_samples(batches, samples)
     tokens = sum(b.numel() for b in rows)
 
-    def observe(module, _args, out):
-        def square(g: torch.Tensor) -> None:
-            sums[id(module)].add_(torch.linalg.vector_norm(g.detach(), dtype=torch.float64).cpu() ** 2 / g.shape[-1])
+    def square(module: nn.Module, g: torch.Tensor, _chunk: int) -> None:
+        sums[id(module)].add_(torch.linalg.vector_norm(g, dtype=torch.float64).cpu() ** 2 / g.shape[-1])
 
+    _backward_sweep(model, modules, torch.cat(rows)[rank::size].split(len(rows[0])), dtype, square, forward)
+    return {n: reduced(sums[id(m)]).item() / tokens for n, m in modules.items()}
+
+
+def output_fisher(model: nn.Module, blocks: dict[str, int], batches: list[torch.Tensor],
+                  dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Per token and block of output channels, Σ (∂L/∂y)² over the block's channels (L a
+    sequence's mean next-token loss): for each named linear, split into ``blocks[name]`` equal
+    blocks of rows, a (tokens, blocks) float32 tensor, tokens in the order of ``batches``
+    flattened. Weighting each token's input by it turns a block's Gram matrix into the block's
+    share of the loss's Fisher (GuidedQuant), which is what rounding should minimise. One
+    process (every sequence); a module used by several layers sums over its uses."""
+    modules = {n: get_module(model, n) for n in blocks}
+    count = {id(m): blocks[n] for n, m in modules.items()}
+    starts = [0]
+    for b in batches:
+        starts.append(starts[-1] + b.numel())
+    out = {id(m): torch.zeros(starts[-1], blocks[n]) for n, m in modules.items()}
+
+    def square(module: nn.Module, g: torch.Tensor, c: int) -> None:
+        part = g.float().reshape(-1, count[id(module)], g.shape[-1] // count[id(module)]).pow(2).sum(-1)
+        out[id(module)][starts[c]:starts[c + 1]] += part.cpu()
+
+    _backward_sweep(model, modules, batches, dtype, square)
+    return {n: out[id(m)] for n, m in modules.items()}
+
+
+def _backward_sweep(model: nn.Module, modules: dict[str, nn.Module], chunks, dtype: torch.dtype | None,
+                    on_grad: Callable[[nn.Module, torch.Tensor, int], None],
+                    forward: tuple[list[LayerInputs], list[torch.Tensor]] | None = None) -> None:
+    """``on_grad(module, ∂L/∂y, c)`` for every named module's output y on chunk c of sequences,
+    L each sequence's mean next-token loss. Computed layer by layer like the statistics, so
+    memory holds one layer, not the model: a forward pass keeps every layer's inputs for the
+    chunk, the loss's gradient is taken at the last layer's output (one sequence at a time
+    through the head), and the backward walks the layers in reverse, recomputing one layer at a
+    time and passing the gradient at its input on. The weights get no gradients. The layers run
+    in ``dtype`` (default: the model's), the head in the model's. ``forward``: the first
+    chunk's forward already run."""
+    arch = discover(model)
+    offload = offload_of(model)
+
+    chunk_at = [0]
+
+    def observe(module, _args, out):
         if out.requires_grad:  # only in the backward sweep's recomputation
-            out.register_hook(square)
+            c = chunk_at[0]
+            out.register_hook(lambda g: on_grad(module, g.detach(), c))
 
     with ExitStack() as stack:
         for m in {id(m): m for m in modules.values()}.values():
             stack.callback(m.register_forward_hook(observe).remove)
         stack.enter_context(frozen(model))  # a graph without weight gradients
-        for c, chunk in enumerate(ui.track(torch.cat(rows)[rank::size].split(len(rows[0])), "output sensitivity")):
+        for c, chunk in enumerate(ui.track(chunks, "output gradients")):
+            chunk_at[0] = c
             if c == 0 and forward:
                 inputs, hidden = forward
             else:
@@ -170,8 +207,6 @@ def output_sensitivity(model: nn.Module, names: list[str], batches: list[torch.T
                     out = arch.layers[i](x, *args, **kwargs)
                     (grad,) = torch.autograd.grad(out[0] if isinstance(out, tuple) else out, x, grad)
                 inputs[i] = None  # done with
-    return {n: reduced(sums[id(m)]).item() / tokens for n, m in modules.items()}
-
 
 
 def _head_gradient(model: nn.Module, arch: Arch, ids: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
