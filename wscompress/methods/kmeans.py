@@ -47,8 +47,8 @@ from ..maths.clustering import GramFactors, assign, cluster
 from ..maths.linalg import add_gram, solve_coefficients, symmetrize
 from ..model.arch import Conv1D, dims_of, discover, target_layers, tied_to_embeddings, weight_of
 from ..model.forms.wscompress_palettized import CodebookDtype, PalettizedLinear, entropy, packed_nbytes
-from ..pipeline.layerwise import onloaded, replace_each
 from ..pipeline.calibration import output_fisher
+from ..pipeline.layerwise import onloaded, replace_each
 from ..pipeline.refit import Sums, fit_pass
 from ..pipeline.stats import SharedGrams
 from ..recipe.schema import Budget, Init, LayerRefit, TargetedStage

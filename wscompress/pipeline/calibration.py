@@ -135,7 +135,8 @@ def output_sensitivity(model: nn.Module, names: list[str], batches: list[torch.T
     def square(module: nn.Module, g: torch.Tensor, _chunk: int) -> None:
         sums[id(module)].add_(torch.linalg.vector_norm(g, dtype=torch.float64).cpu() ** 2 / g.shape[-1])
 
-    _backward_sweep(model, modules, torch.cat(rows)[rank::size].split(len(rows[0])), dtype, square, forward)
+    _backward_sweep(model, modules, torch.cat(rows)[rank::size].split(len(rows[0])), dtype, square, "output sensitivity",
+                    forward)
     return {n: reduced(sums[id(m)]).item() / tokens for n, m in modules.items()}
 
 
@@ -158,12 +159,12 @@ def output_fisher(model: nn.Module, blocks: dict[str, int], batches: list[torch.
         part = g.float().reshape(-1, count[id(module)], g.shape[-1] // count[id(module)]).pow(2).sum(-1)
         out[id(module)][starts[c]:starts[c + 1]] += part.cpu()
 
-    _backward_sweep(model, modules, batches, dtype, square)
+    _backward_sweep(model, modules, batches, dtype, square, "output gradients (fisher)")
     return {n: out[id(m)] for n, m in modules.items()}
 
 
 def _backward_sweep(model: nn.Module, modules: dict[str, nn.Module], chunks, dtype: torch.dtype | None,
-                    on_grad: Callable[[nn.Module, torch.Tensor, int], None],
+                    on_grad: Callable[[nn.Module, torch.Tensor, int], None], label: str,
                     forward: tuple[list[LayerInputs], list[torch.Tensor]] | None = None) -> None:
     """``on_grad(module, ∂L/∂y, c)`` for every named module's output y on chunk c of sequences,
     L each sequence's mean next-token loss. Computed layer by layer like the statistics, so
@@ -171,11 +172,10 @@ def _backward_sweep(model: nn.Module, modules: dict[str, nn.Module], chunks, dty
     chunk, the loss's gradient is taken at the last layer's output (one sequence at a time
     through the head), and the backward walks the layers in reverse, recomputing one layer at a
     time and passing the gradient at its input on. The weights get no gradients. The layers run
-    in ``dtype`` (default: the model's), the head in the model's. ``forward``: the first
-    chunk's forward already run."""
+    in ``dtype`` (default: the model's), the head in the model's. ``label``: the progress bar's;
+    ``forward``: the first chunk's forward already run."""
     arch = discover(model)
     offload = offload_of(model)
-
     chunk_at = [0]
 
     def observe(module, _args, out):
@@ -187,7 +187,7 @@ def _backward_sweep(model: nn.Module, modules: dict[str, nn.Module], chunks, dty
         for m in {id(m): m for m in modules.values()}.values():
             stack.callback(m.register_forward_hook(observe).remove)
         stack.enter_context(frozen(model))  # a graph without weight gradients
-        for c, chunk in enumerate(ui.track(chunks, "output gradients")):
+        for c, chunk in enumerate(ui.track(chunks, label)):
             chunk_at[0] = c
             if c == 0 and forward:
                 inputs, hidden = forward
