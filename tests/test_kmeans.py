@@ -380,19 +380,17 @@ def test_fisher_objective_runs_the_gradient_pass_and_compresses(tokenizer, monke
     """objective: fisher takes the output gradients once, on the refit's sequences, and palettizes
     every decoder linear on its blocks' weighted Gram matrices: another model than the layer
     objective's, of the same size."""
-    from wscompress.pipeline import calibration
+    import wscompress.methods.kmeans as kmeans_module
 
     calls = []
-    fisher = calibration.output_fisher
-    monkeypatch.setattr(calibration, "output_fisher", lambda *a, **k: calls.append(a[1]) or fisher(*a, **k))
-    import wscompress.methods.kmeans as kmeans_module
-    monkeypatch.setattr(kmeans_module, "output_fisher", calibration.output_fisher)
+    fisher = kmeans_module.output_fisher
+    monkeypatch.setattr(kmeans_module, "output_fisher", lambda *a, **k: calls.append(a[1]) or fisher(*a, **k))
     stage = {"method": "kmeans", "bits": 4, "cluster_dim": 2, "granularity": "grouped", "group_size": 16, "row_scale": True}
     ids = torch.randint(0, 500, (2, 32), generator=torch.Generator().manual_seed(4))
     models = {}
     for objective in ("layer", "fisher"):
         models[objective] = tiny_model("llama")
-        report = wscompress.compress(models[objective], [{**stage, "objective": objective}], tokenizer, CALIB)
+        wscompress.compress(models[objective], [{**stage, "objective": objective}], tokenizer, CALIB)
     assert len(calls) == 1 and len(calls[0]) == 28 and set(calls[0].values()) == {4, 2}  # k/v: 32 rows, 2 blocks of 16
     layers = [{n: m for n, m in models[o].named_modules() if isinstance(m, PalettizedLinear)} for o in models]
     assert layers[0].keys() == layers[1].keys() and any(
