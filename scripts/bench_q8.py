@@ -213,6 +213,12 @@ def compiled_profile(model, tokenizer, name: str, steps: int = 16) -> None:
         print(f"| {e.key[:60]} | {e.self_cpu_time_total / steps / 1e3:.2f} | {e.count / steps:.0f} |")
 
 
+def byte_products(layout) -> bool:
+    """Whether this build multiplies the layer's rounded tables by 8-bit activations (byte indices
+    have no such path on AVX2)."""
+    return layout.rounded is not None and kernels.q8(layout.width)
+
+
 def layer_times(model, name: str) -> None:
     """Milliseconds of one batch-1 product of every palettized layer in turn."""
     from wscompress.model.forms.wscompress_palettized import PalettizedLinear
@@ -230,13 +236,13 @@ def layer_times(model, name: str) -> None:
                                    for m, a, t, o, x in zip(mods, layouts, tables, sparse, xs)],
         "byte-product operator": lambda: [ops.lut_linear_q8(x, a.indices, *a.rounded, a.width, m.group_size,
                                                             m.out_features, *o)
-                                          for m, a, o, x in zip(mods, layouts, sparse, xs) if a.rounded is not None],
+                                          for m, a, o, x in zip(mods, layouts, sparse, xs) if byte_products(a)],
         "modules (byte products)": lambda: [m(x) for m, x in zip(mods, xs)]}
     times = {label: best_us(f, 3) / 1e3 for label, f in runs.items()}
     # the same products, each layer's repeated while its indices stay in the caches: what streaming costs
     times["byte-product operator, each layer from warm caches"] = sum(
         best_us(lambda: ops.lut_linear_q8(x, a.indices, *a.rounded, a.width, m.group_size, m.out_features, *o), 10) / 1e3
-        for m, a, o, x in zip(mods, layouts, sparse, xs) if a.rounded is not None)
+        for m, a, o, x in zip(mods, layouts, sparse, xs) if byte_products(a))
     print(f"{name}: {len(mods)} palettized layers, one token: "
           + ", ".join(f"{label} {ms:.1f} ms" for label, ms in times.items()), flush=True)
 
