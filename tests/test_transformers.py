@@ -49,6 +49,7 @@ FORMS = {
     "tied_embeddings": ("llama_mha", [{"method": "tie_embeddings"}]),
     "basis_sharing_then_kmeans": ("llama", [{"method": "basis_sharing", "ratio": 0.3}, {"method": "kmeans", "bits": 4}]),
     "rotated_palettized": ("llama", [{"method": "rotate", "block": 32}, {"method": "kmeans", "bits": 3}]),
+    "rotated_trellis": ("llama", [{"method": "rotate", "block": 32}, {"method": "trellis", "bits": 2, "state_bits": 8}]),
     "gpt2_low_rank_palettized": ("gpt2", [{"method": "svd", "ratio": 0.3}, {"method": "kmeans", "bits": 4, "outliers": 0.01}]),
 }
 STRUCTURAL = ("cross_layer", "merged_layers", "dropped_layers", "gqa", "tied_embeddings")  # no compressed layer type

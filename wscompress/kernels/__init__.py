@@ -1,6 +1,6 @@
 """Compiled CPU kernels: look-up-table matmul for palettized weights (``lut.cpp``), dense
 products for decoding (``lowrank.cpp``: fused low-rank factors, float16 and int8 weights), k-means' nearest-centroid search and
-seeding (``kmeans.cpp``), and for calibration's bfloat16 passes with
+seeding (``kmeans.cpp``), the trellis code's Viterbi search (``trellis.cpp``), and for calibration's bfloat16 passes with
 AVX-512 BF16 the Gram matrices and cross products (``products.cpp``) and a one-pass RMSNorm
 (``norms.cpp``); on CUDA, the look-up-table product for
 decoding in Triton (``lut_triton.py``), used where Triton is installed (CUDA builds of torch
@@ -188,6 +188,12 @@ def kmeans() -> ModuleType | None:
     """The compiled k-means loops (nearest centroid, k-means++ seeding), or None when they are
     not available."""
     return _load("kmeans")[0]
+
+
+def trellis() -> ModuleType | None:
+    """The compiled Viterbi search of the trellis code (``maths.trellis``), or None when it is
+    not available."""
+    return _load("trellis")[0]
 
 
 def _bf16(source: str) -> tuple[ModuleType | None, str]:

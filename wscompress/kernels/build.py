@@ -3,4 +3,4 @@ say which paths palettized layers, k-means and calibration will use. Never fails
 
 from . import _load, calibration_status, status
 
-print(f"wscompress kernels: {status()}; k-means: {_load('kmeans')[1]}; calibration: {calibration_status()}")
+print(f"wscompress kernels: {status()}; k-means: {_load('kmeans')[1]}; trellis: {_load('trellis')[1]}; calibration: {calibration_status()}")

@@ -250,17 +250,21 @@ class GramFactors:
 
     def __init__(self, gram: torch.Tensor):
         self.gram = gram
-        self._factors: dict[tuple[int, float, torch.device], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._factors: dict[tuple[int, float, torch.device, bool], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
-    def factor(self, d: int, damp: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def factor(self, d: int, damp: float, device: torch.device,
+               act_order: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(dead inputs, column order, upper factor U with UᵀU = H⁻¹ in that order, float32) for
-        chunks of d columns, H = Gram + ``damp`` x its mean diagonal."""
-        key = (d, damp, torch.device(device))
+        chunks of d columns, H = Gram + ``damp`` x its mean diagonal; the order is the chunks'
+        decreasing energy, or the columns' own (``act_order=False``: a code whose stream runs
+        along the row)."""
+        key = (d, damp, torch.device(device), act_order)
         if key not in self._factors:
             h = self.gram.to(device).double().clone()
             dead = h.diagonal() == 0  # inputs that are always zero: their weights never matter
             h[dead, dead] = 1
-            order = h.diagonal().view(-1, d).sum(1).argsort(descending=True)
+            order = h.diagonal().view(-1, d).sum(1).argsort(descending=True) if act_order else \
+                torch.arange(len(h) // d, device=device)
             perm = (order[:, None] * d + torch.arange(d, device=device)).reshape(-1)
             h = h[perm][:, perm]
             h += damp * h.diagonal().mean() * torch.eye(len(h), dtype=h.dtype, device=device)

@@ -1,0 +1,153 @@
+"""Trellis-coded quantization (``trellis``): the Viterbi search finds the least-error walk (the
+compiled search and the torch path agree with an exhaustive one), streams pack and unpack, the
+code beats the best scalar codebook on Gaussian weights, error feedback lowers a layer's output
+error, and the stage runs after ``rotate`` on a model (loading back the three ways is
+``test_transformers.FORMS``' ``rotated_trellis``)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import wscompress
+from wscompress import kernels
+from wscompress.errors import UsageError
+from wscompress.maths import trellis
+from wscompress.maths.clustering import GramFactors
+from wscompress.model.forms.wscompress_rotated import RotatedLinear
+from wscompress.model.forms.wscompress_trellis import TrellisLinear, code, pack, stream_bytes, unpack
+
+from conftest import tiny_model
+
+CALIBRATION = {"dataset": "pydoc", "num_samples": 8, "seq_len": 64, "batch_size": 4}
+
+
+def cost(w, h, values, states):
+    return (h * (w - values[states]) ** 2).sum(1)
+
+
+def follows(states, bits, state_bits):
+    """Whether each state keeps all but ``bits`` bits of the one before, as the stream stores them."""
+    return bool(((states[:, 1:] >> bits) == (states[:, :-1] & ((1 << (state_bits - bits)) - 1))).all())
+
+
+@pytest.fixture(params=["compiled", "torch"])
+def path(request, monkeypatch):
+    if request.param == "compiled" and kernels.trellis() is None:
+        pytest.skip("the trellis kernel is not built here")
+    if request.param == "torch":
+        monkeypatch.setattr(kernels, "trellis", lambda: None)
+    return request.param
+
+
+@pytest.mark.parametrize("bits, state_bits", [(1, 3), (2, 4)])
+def test_the_search_finds_the_least_error_walk(path, bits, state_bits):
+    g = torch.Generator().manual_seed(0)
+    w, h = torch.randn(3, 4, generator=g), torch.rand(3, 4, generator=g) + 0.1
+    values = code(state_bits)
+    start = torch.tensor([-1, 5, 0])
+    found = trellis.viterbi(w, h, values, bits, start)
+    mask = (1 << state_bits) - 1
+    for row in range(3):  # every walk: a first state (given, or any) and then `bits` new bits a step
+        firsts = range(1 << state_bits) if start[row] < 0 else [((int(start[row]) << bits) | b) & mask
+                                                                for b in range(1 << bits)]
+        costs = []
+        for first in firsts:
+            for new in itertools.product(range(1 << bits), repeat=3):
+                walk = [first]
+                for b in new:
+                    walk.append(((walk[-1] << bits) | b) & mask)
+                costs.append(cost(w[row:row + 1], h[row:row + 1], values, torch.tensor([walk]))[0].item())
+        assert cost(w[row:row + 1], h[row:row + 1], values, found[row:row + 1])[0].item() == pytest.approx(min(costs),
+                                                                                                         rel=1e-6)
+    assert follows(found, bits, state_bits)
+    assert (found[1, 0] >> bits) == (5 & ((1 << (state_bits - bits)) - 1))  # it went on from the given state
+
+
+def test_compiled_and_torch_searches_agree(monkeypatch):
+    if kernels.trellis() is None:
+        pytest.skip("the trellis kernel is not built here")
+    g = torch.Generator().manual_seed(1)
+    w, h = torch.randn(40, 24, generator=g), torch.rand(40, 24, generator=g) + 0.5
+    start = torch.randint(-1, 1 << 10, (40,), generator=g)
+    compiled = trellis.viterbi(w, h, code(10), 3, start)
+    monkeypatch.setattr(kernels, "trellis", lambda: None)
+    torch.testing.assert_close(cost(w, h, code(10), compiled), cost(w, h, code(10), trellis.viterbi(w, h, code(10), 3, start)))
+
+
+@pytest.mark.parametrize("bits, state_bits, width", [(2, 8, 37), (3, 12, 64), (4, 17, 9), (1, 2, 5)])
+def test_streams_pack_and_unpack(bits, state_bits, width):
+    g = torch.Generator().manual_seed(2)
+    first = torch.randint(0, 1 << state_bits, (6, 1), generator=g)
+    new = torch.randint(0, 1 << bits, (6, width - 1), generator=g)
+    states = [first[:, 0]]
+    for t in range(width - 1):
+        states.append(((states[-1] << bits) | new[:, t]) & ((1 << state_bits) - 1))
+    states = torch.stack(states, 1)
+    stream = pack(states, bits, state_bits)
+    assert stream.shape == (6, stream_bytes(width, bits, state_bits)) and stream.dtype == torch.uint8
+    assert torch.equal(unpack(stream, width, bits, state_bits), states)
+
+
+def test_the_code_is_gaussian_and_its_error_below_the_best_scalar_codebooks():
+    values = code(12)
+    assert values.mean().abs() < 1e-3 and values.std() == pytest.approx(1.0, abs=0.01)
+    w = torch.randn(256, 256, generator=torch.Generator().manual_seed(3))
+    for bits, lloyd_max in ((2, 0.1175), (3, 0.03454)):  # the best scalar codebook's error on N(0, 1)
+        states, scale = trellis.search(w, bits, 12, None)
+        mse = (values[states] * scale[:, None] - w).pow(2).mean().item()
+        assert mse < 0.75 * lloyd_max, (bits, mse)
+
+
+def test_error_feedback_lowers_the_layers_output_error():
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(2048, 64, generator=g) @ (torch.randn(64, 64, generator=g) * 0.3 + torch.eye(64))  # correlated
+    w = torch.randn(48, 64, generator=g)
+    gram = (x.T @ x).double()
+    errors = {}
+    for name, grams in (("plain", None), ("feedback", GramFactors(gram))):
+        states, scale = trellis.search(w, 2, 10, grams)
+        errors[name] = (x @ (code(10)[states] * scale[:, None] - w).T).pow(2).mean().item()
+    assert errors["feedback"] < 0.8 * errors["plain"], errors
+
+
+def test_the_row_scale_is_the_least_error_one_for_its_walk():
+    w = torch.randn(16, 128, generator=torch.Generator().manual_seed(5)) * torch.linspace(0.1, 3, 16)[:, None]
+    states, scale = trellis.search(w, 3, 10, None)
+    q = code(10)[states]
+    for factor in (0.98, 1.02):
+        assert ((q * scale[:, None] - w).pow(2).sum(1) <= (q * factor * scale[:, None] - w).pow(2).sum(1) * (1 + 1e-3)).all()
+
+
+def test_the_stage_codes_the_rotated_weights_of_a_model(tokenizer):
+    """On the tiny model the 3-bit trellis (3.25 bits a weight with its scales and first states)
+    keeps the logits far closer than the rotated 2-bit k-means layout (3.0 bits: its tables
+    weigh more on small matrices)."""
+    x = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = tiny_model("llama")(x).logits
+    errors, rows = {}, {}
+    for method, bits in (("trellis", 3), ("kmeans", 2)):
+        model = tiny_model("llama")
+        (_, rows[method]) = wscompress.compress(model, [{"method": "rotate", "block": 32},
+                                                        {"method": method, "bits": bits}], tokenizer, CALIBRATION)
+        with torch.no_grad():
+            errors[method] = ((model(x).logits - want).pow(2).mean() / want.var()).item()
+        if method == "trellis":
+            layer = model.model.layers[1].mlp.up_proj
+            assert isinstance(layer, RotatedLinear) and isinstance(layer.inner, TrellisLinear)
+    assert rows["trellis"]["layers"] == 4 * 7 and 3.0 < rows["trellis"]["bits_per_weight"] < 3.3
+    assert errors["trellis"] < 0.5 * errors["kmeans"], errors
+
+
+@pytest.mark.parametrize("stage, words", [
+    ({"method": "trellis", "bits": 4, "state_bits": 4}, "needs state_bits above it"),
+    ({"method": "trellis", "targets": ["lm_head"]}, "tied to the input embedding"),
+])
+def test_impossible_trellis_stages_are_refused_before_any_work(stage, words):
+    model = tiny_model("llama")
+    model.tie_weights()
+    with pytest.raises(UsageError, match=words):
+        wscompress.compress(model, [stage])
