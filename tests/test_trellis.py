@@ -46,35 +46,29 @@ def path(request, monkeypatch):
 def test_the_search_finds_the_least_error_walk(path, bits, state_bits):
     g = torch.Generator().manual_seed(0)
     w, h = torch.randn(3, 4, generator=g), torch.rand(3, 4, generator=g) + 0.1
-    values = code(state_bits)
-    start = torch.tensor([-1, 5, 0])
-    found = trellis.viterbi(w, h, values, bits, start)
-    mask = (1 << state_bits) - 1
-    for row in range(3):  # every walk: a first state (given, or any) and then `bits` new bits a step
-        firsts = range(1 << state_bits) if start[row] < 0 else [((int(start[row]) << bits) | b) & mask
-                                                                for b in range(1 << bits)]
-        costs = []
-        for first in firsts:
-            for new in itertools.product(range(1 << bits), repeat=3):
-                walk = [first]
-                for b in new:
-                    walk.append(((walk[-1] << bits) | b) & mask)
-                costs.append(cost(w[row:row + 1], h[row:row + 1], values, torch.tensor([walk]))[0].item())
-        assert cost(w[row:row + 1], h[row:row + 1], values, found[row:row + 1])[0].item() == pytest.approx(min(costs),
-                                                                                                         rel=1e-6)
+    values, mask = code(state_bits), (1 << state_bits) - 1
+    found = trellis.viterbi(w, h, values, bits)
+    walks = []  # every walk: any first state, then `bits` new bits a step
+    for first in range(1 << state_bits):
+        for new in itertools.product(range(1 << bits), repeat=3):
+            walks.append([first])
+            for b in new:
+                walks[-1].append(((walks[-1][-1] << bits) | b) & mask)
+    walks = torch.tensor(walks)
+    for row in range(3):
+        least = cost(w[row].expand(len(walks), -1), h[row].expand(len(walks), -1), values, walks).min().item()
+        assert cost(w[row:row + 1], h[row:row + 1], values, found[row:row + 1])[0].item() == pytest.approx(least, rel=1e-6)
     assert follows(found, bits, state_bits)
-    assert (found[1, 0] >> bits) == (5 & ((1 << (state_bits - bits)) - 1))  # it went on from the given state
 
 
 def test_compiled_and_torch_searches_agree(monkeypatch):
     if kernels.trellis() is None:
         pytest.skip("the trellis kernel is not built here")
     g = torch.Generator().manual_seed(1)
-    w, h = torch.randn(40, 24, generator=g), torch.rand(40, 24, generator=g) + 0.5
-    start = torch.randint(-1, 1 << 10, (40,), generator=g)
-    compiled = trellis.viterbi(w, h, code(10), 3, start)
+    w, h = torch.randn(40, 24, generator=g), torch.rand(40, 24, generator=g) + 0.5  # 40: three blocks of lanes
+    compiled = trellis.viterbi(w, h, code(10), 3)
     monkeypatch.setattr(kernels, "trellis", lambda: None)
-    torch.testing.assert_close(cost(w, h, code(10), compiled), cost(w, h, code(10), trellis.viterbi(w, h, code(10), 3, start)))
+    torch.testing.assert_close(cost(w, h, code(10), compiled), cost(w, h, code(10), trellis.viterbi(w, h, code(10), 3)))
 
 
 @pytest.mark.parametrize("bits, state_bits, width", [(2, 8, 37), (3, 12, 64), (4, 17, 9), (1, 2, 5)])
@@ -93,7 +87,7 @@ def test_streams_pack_and_unpack(bits, state_bits, width):
 
 def test_the_code_is_gaussian_and_its_error_below_the_best_scalar_codebooks():
     values = code(12)
-    assert values.mean().abs() < 1e-3 and values.std() == pytest.approx(1.0, abs=0.01)
+    assert values.mean().abs() < 0.02 and values.std() == pytest.approx(1.0, abs=0.02)
     w = torch.randn(256, 256, generator=torch.Generator().manual_seed(3))
     for bits, lloyd_max in ((2, 0.1175), (3, 0.03454)):  # the best scalar codebook's error on N(0, 1)
         states, scale = trellis.search(w, bits, 12, None)

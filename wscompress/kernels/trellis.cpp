@@ -1,92 +1,109 @@
 // The Viterbi search of the trellis code (wscompress maths/trellis.py), batched over rows.
 //
-// A row of T weights is coded as a walk through 2^L states: state t is the last L bits of the
-// row's bit stream after t·k bits, so the next state keeps L - k bits of the one before and
-// takes k new ones, and weight t decodes to values[state t]. The search finds the walk of least
+// A run of T weights (a tile) is coded as a walk through 2^L states: state t is the L bits of
+// the stream from bit t·k on, so the next state keeps L - k bits of the one before and takes k
+// new ones, and weight t decodes to values[state t]. The search finds the walk of least
 // weighted squared error: for each state the cheapest walk ending there, over T steps. A step
 // is two passes over the 2^L costs: the least of each state's 2^k predecessors (states
-// j·G + r, G = 2^(L-k), for the successors r·2^k + b: contiguous in r) and the new weight's
-// error against every state's value; both vectorise. The torch path does the same with tensors
-// (0.1-1 s a thousand rows of 64 weights at L = 12; this is ~50x faster).
+// j·G + r, G = 2^(L-k), for the successors r·2^k + b) and the new weight's error against every
+// state's value. 16 walks go through them together, one a vector lane, so every operation is
+// the same for all lanes and nothing is shuffled (a walk a thread, vectorised over states,
+// needed the successors' scattered stores and ran 10x slower).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#include <limits>
+#include <algorithm>
 #include <vector>
 
 namespace {
 
+constexpr int P = 16;  // walks searched together, one a lane: every step is the same for all of them
+// GCC's vector types: the compiler emits the widest instructions the CPU has (-march=native)
+typedef float vf __attribute__((vector_size(P * sizeof(float))));
+typedef int32_t vi __attribute__((vector_size(P * sizeof(int32_t))));
+typedef uint8_t vb __attribute__((vector_size(P)));
+
+// Walks b0 .. b0 + n (n <= P) of w, h (B, T) into states (B, T); the buffers are the caller's.
 template <int K>
-void search_row(const float* w, const float* h, const float* values, int64_t T, int L, int64_t start,
-                int32_t* states, std::vector<float>& cost, std::vector<float>& next, std::vector<uint8_t>& back) {
+void search_block(const float* w, const float* h, const float* values, int64_t b0, int64_t n, int64_t T, int L,
+                  int32_t* states, std::vector<vf>& cost, std::vector<vf>& least, std::vector<vb>& back,
+                  std::vector<vf>& wt, std::vector<vf>& ht) {
   const int64_t S = int64_t(1) << L, G = S / K;
-  const float inf = std::numeric_limits<float>::infinity();
-  if (start < 0) {  // the first state is free: all its L bits are stored
-    for (int64_t s = 0; s < S; ++s) cost[s] = h[0] * (w[0] - values[s]) * (w[0] - values[s]);
-  } else {  // the walk goes on from ``start``, the state the row's previous block ended in
-    for (int64_t s = 0; s < S; ++s) cost[s] = inf;
-    cost[start] = 0.f;
+  for (int64_t t = 0; t < T; ++t)
+    for (int p = 0; p < P; ++p) {  // lanes past the last walk repeat it: their results are dropped
+      const int64_t row = b0 + (p < n ? p : n - 1);
+      wt[t][p] = w[row * T + t];
+      ht[t][p] = h[row * T + t];
+    }
+  for (int64_t s = 0; s < S; ++s) {  // the first state is free: all its bits are stored
+    const vf e = wt[0] - values[s];
+    cost[s] = ht[0] * e * e;
   }
-  for (int64_t t = start < 0 ? 1 : 0; t < T; ++t) {
-    uint8_t* arg = back.data() + t * G;
-    float* least = next.data();  // each successor group's cheapest predecessor
-    for (int64_t r = 0; r < G; ++r) {
-      float m = cost[r];
-      uint8_t a = 0;
+  for (int64_t t = 1; t < T; ++t) {
+    vb* arg = back.data() + t * G;
+    for (int64_t r = 0; r < G; ++r) {  // the cheapest of the K predecessors j·G + r of successors r·K + b
+      vf m = cost[r];
+      vi a = vi{};
       for (int j = 1; j < K; ++j) {
-        const float c = cost[j * G + r];
-        a = c < m ? j : a;
-        m = c < m ? c : m;
+        const vf c = cost[j * G + r];
+        const vi lower = c < m;
+        a = lower ? (vi{} + j) : a;
+        m = lower ? c : m;
       }
       least[r] = m;
-      arg[r] = a;
+      arg[r] = __builtin_convertvector(a, vb);
     }
-    const float wt = w[t], ht = h[t];
-    for (int64_t r = 0; r < G; ++r) {
-      const float m = least[r];
+    const vf wv = wt[t], hv = ht[t];
+    for (int64_t r = 0; r < G; ++r)
       for (int b = 0; b < K; ++b) {
-        const float e = wt - values[r * K + b];
-        cost[r * K + b] = m + ht * e * e;
+        const vf e = wv - values[r * K + b];
+        cost[r * K + b] = least[r] + hv * e * e;
       }
-    }
   }
-  int64_t s = 0;
-  for (int64_t q = 1; q < S; ++q) s = cost[q] < cost[s] ? q : s;
-  for (int64_t t = T - 1; t >= 0; --t) {
-    states[t] = int32_t(s);
-    if (t == 0 && start < 0) break;
-    const int64_t r = s >> __builtin_ctz(K);
-    s = int64_t(back[t * G + r]) * G + r;
+  vf best = cost[0];
+  vi end = vi{};
+  for (int64_t s = 1; s < S; ++s) {
+    const vi lower = cost[s] < best;
+    end = lower ? (vi{} + int32_t(s)) : end;
+    best = lower ? cost[s] : best;
+  }
+  for (int p = 0; p < n; ++p) {
+    int64_t s = end[p];
+    int32_t* out = states + (b0 + p) * T;
+    for (int64_t t = T - 1; t > 0; --t) {
+      out[t] = int32_t(s);
+      const int64_t r = s >> __builtin_ctz(K);
+      s = int64_t(back[t * G + r][p]) * G + r;
+    }
+    out[0] = int32_t(s);
   }
 }
 
 // states (B, T) int32 of rows ``w`` (B, T) weighted by ``h`` (B, T), in the code ``values``
-// (2^L,), k bits a step; ``start`` (B,) int64: the state each row's walk goes on from, -1 free.
-torch::Tensor viterbi(torch::Tensor w, torch::Tensor h, torch::Tensor values, int64_t k, torch::Tensor start) {
+// (2^L,), k bits a step, each walk's first state free.
+torch::Tensor viterbi(torch::Tensor w, torch::Tensor h, torch::Tensor values, int64_t k) {
   TORCH_CHECK(w.dim() == 2 && h.sizes() == w.sizes() && w.scalar_type() == torch::kFloat32 &&
               h.scalar_type() == torch::kFloat32, "w and h: (B, T) float32");
   TORCH_CHECK(values.dim() == 1 && values.scalar_type() == torch::kFloat32, "values: (2^L,) float32");
-  TORCH_CHECK(start.dim() == 1 && start.size(0) == w.size(0) && start.scalar_type() == torch::kInt64, "start: (B,) int64");
   const int64_t S = values.size(0);
   const int L = __builtin_ctzll(S);
   TORCH_CHECK(S == (int64_t(1) << L) && L <= 20 && k >= 1 && k <= 4 && k < L, "2^L values, 1 <= k <= 4, k < L <= 20");
-  w = w.contiguous(), h = h.contiguous(), values = values.contiguous(), start = start.contiguous();
+  w = w.contiguous(), h = h.contiguous(), values = values.contiguous();
   const int64_t B = w.size(0), T = w.size(1);
   auto out = torch::empty({B, T}, torch::kInt32);
+  if (B == 0 || T == 0) return out;
   const float *pw = w.data_ptr<float>(), *ph = h.data_ptr<float>(), *pv = values.data_ptr<float>();
-  const int64_t* ps = start.data_ptr<int64_t>();
   int32_t* po = out.data_ptr<int32_t>();
-  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<float> cost(S), next(S >> k);
-    std::vector<uint8_t> back(T * (S >> k));
-    for (int64_t b = b0; b < b1; ++b) {
-      const float *rw = pw + b * T, *rh = ph + b * T;
-      TORCH_CHECK(ps[b] < S, "start state out of range");
+  at::parallel_for(0, (B + P - 1) / P, 1, [&](int64_t g0, int64_t g1) {
+    std::vector<vf> cost(S), least(S >> k), wt(T), ht(T);
+    std::vector<vb> back(T * (S >> k));
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t b0 = g * P, n = std::min<int64_t>(P, B - b0);
       switch (k) {
-        case 1: search_row<2>(rw, rh, pv, T, L, ps[b], po + b * T, cost, next, back); break;
-        case 2: search_row<4>(rw, rh, pv, T, L, ps[b], po + b * T, cost, next, back); break;
-        case 3: search_row<8>(rw, rh, pv, T, L, ps[b], po + b * T, cost, next, back); break;
-        default: search_row<16>(rw, rh, pv, T, L, ps[b], po + b * T, cost, next, back); break;
+        case 1: search_block<2>(pw, ph, pv, b0, n, T, L, po, cost, least, back, wt, ht); break;
+        case 2: search_block<4>(pw, ph, pv, b0, n, T, L, po, cost, least, back, wt, ht); break;
+        case 3: search_block<8>(pw, ph, pv, b0, n, T, L, po, cost, least, back, wt, ht); break;
+        default: search_block<16>(pw, ph, pv, b0, n, T, L, po, cost, least, back, wt, ht); break;
       }
     }
   });

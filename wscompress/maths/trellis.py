@@ -17,35 +17,29 @@ from ..model.forms.wscompress_trellis import TILE, code, from_tiles, to_tiles
 from .clustering import GramFactors
 
 
-def viterbi(w: torch.Tensor, h: torch.Tensor, values: torch.Tensor, bits: int, start: torch.Tensor) -> torch.Tensor:
-    """The least-error walks (B, T) int64 of rows ``w`` (B, T), each weight's squared error
-    weighted by ``h`` (B, T), through the code ``values`` (2^L,) with ``bits`` new bits a step;
-    ``start`` (B,) the state each row's walk goes on from (-1: its first state is free)."""
+def viterbi(w: torch.Tensor, h: torch.Tensor, values: torch.Tensor, bits: int) -> torch.Tensor:
+    """The least-error walks (B, T) int64 of runs ``w`` (B, T), each weight's squared error
+    weighted by ``h`` (B, T), through the code ``values`` (2^L,) with ``bits`` new bits a step,
+    each walk's first state free."""
     fast = kernels.trellis() if w.device.type == "cpu" else None
     if fast is not None:
-        return fast.viterbi(w.float().contiguous(), h.float().contiguous(), values.float().cpu(), bits,
-                            start.long().cpu()).long()
+        return fast.viterbi(w.float().contiguous(), h.float().contiguous(), values.float().cpu(), bits).long()
     rows, steps = w.shape
     n, k = values.numel(), 1 << bits
     groups = n // k
     values = values.to(w.device, torch.float32)
-    inf = torch.tensor(float("inf"), device=w.device)
-    start = start.to(w.device)
-    free = start < 0
-    cost = torch.where(free[:, None], h[:, :1] * (w[:, :1] - values) ** 2, inf)
-    cost[~free, start[~free]] = 0.0  # a fixed start: step 0 goes on from it, as every later step does
+    cost = h[:, :1] * (w[:, :1] - values) ** 2
     back = torch.zeros(steps, rows, groups, dtype=torch.uint8, device=w.device)
-    for t in range(steps):
-        least, arg = cost.view(rows, k, groups).min(1)
-        back[t] = arg.to(torch.uint8)
-        step = least.repeat_interleave(k, 1) + h[:, t:t + 1] * (w[:, t:t + 1] - values) ** 2
-        cost = torch.where(free[:, None], cost, step) if t == 0 else step  # free rows begin at step 0
+    for t in range(1, steps):
+        least, back[t] = cost.view(rows, k, groups).min(1)
+        cost = least.repeat_interleave(k, 1) + h[:, t:t + 1] * (w[:, t:t + 1] - values) ** 2
     s = cost.argmin(1)
     states = torch.empty(rows, steps, dtype=torch.int64, device=w.device)
-    for t in range(steps - 1, -1, -1):
+    for t in range(steps - 1, 0, -1):
         states[:, t] = s
         r = s >> bits
         s = back[t].gather(1, r[:, None])[:, 0].long() * groups + r
+    states[:, 0] = s
     return states
 
 
@@ -77,8 +71,7 @@ def search(weight: torch.Tensor, bits: int, state_bits: int, grams: GramFactors 
 
     def walks(target: torch.Tensor, weigh: torch.Tensor) -> torch.Tensor:  # (out, TILE·c) -> states
         tiles = to_tiles(target)
-        found = viterbi(tiles.flatten(0, 1), to_tiles(weigh.expand_as(target)).flatten(0, 1), values, bits,
-                        torch.full((tiles.shape[0] * tiles.shape[1],), -1))
+        found = viterbi(tiles.flatten(0, 1), to_tiles(weigh.expand_as(target)).flatten(0, 1), values, bits)
         return from_tiles(found.to(w.device).view_as(tiles))
 
     if grams is None:
