@@ -145,3 +145,20 @@ def test_impossible_trellis_stages_are_refused_before_any_work(stage, words):
     model.tie_weights()
     with pytest.raises(UsageError, match=words):
         wscompress.compress(model, [stage])
+
+
+@pytest.mark.parametrize("bits, state_bits", [(2, 12), (3, 12), (4, 17), (1, 8)])
+@pytest.mark.parametrize("rows", [1, 3, 40])  # decoding (the kernel's products) and prefill (the decoded weight)
+def test_the_kernels_compute_what_the_torch_path_does(bits, state_bits, rows):
+    if kernels.trellis() is None:
+        pytest.skip("the trellis kernel is not built here")
+    g = torch.Generator().manual_seed(6)
+    w = torch.randn(48, 64, generator=g)
+    states, scale = trellis.search(w, bits, state_bits, None)
+    layer = TrellisLinear.from_states(states, scale, bits, state_bits, torch.randn(48, generator=g))
+    x = torch.randn(rows, 64, generator=g)
+    with torch.no_grad():
+        fast = layer(x)
+        want = torch.nn.functional.linear(x, layer.dense_weight(), layer.bias)
+    torch.testing.assert_close(fast, want, rtol=1e-5, atol=1e-5)
+    assert "trellis kernel" in layer.compute_path()

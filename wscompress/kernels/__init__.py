@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..model.forms import wscompress_format, wscompress_palettized
+from ..model.forms import wscompress_format, wscompress_palettized, wscompress_trellis
 from ..model.forms.wscompress_format import DECODE_ROWS
 from ..model.forms.wscompress_palettized import SparseRows
 
@@ -44,7 +44,7 @@ def _disabled() -> bool:
 # Kernels registered as PyTorch operators (torch.ops.wscompress.*), which a compiled graph calls
 # like any aten op; the others are plain Python modules (calibration's, never inside a graph).
 OPERATORS = {"lut": ("lut_linear", "lut_linear_q8", "lut_linear_i8", "lut_linear_bf16", "lut_dense", "lut_dense_q8"),
-             "lowrank": ("lowrank_linear",)}
+             "lowrank": ("lowrank_linear",), "trellis": ("trellis_viterbi", "trellis_linear", "trellis_dense")}
 
 
 # Intel's AVX-512 gathers fetch a palettized row's pairs of weights in one instruction, 1.2-1.3x
@@ -125,6 +125,13 @@ def _shape_rules(source: str) -> None:
             lambda x, idx, tables, scales, width, group_size, out, row_ptr, pos, delta: x.new_empty(x.shape[0], out))
         torch.library.register_fake("wscompress::lut_dense_q8")(
             lambda idx, tables, scales, width, group_size, out, in_features: tables.new_empty(2 * out, in_features))
+    elif source == "trellis":
+        torch.library.register_fake("wscompress::trellis_viterbi")(lambda w, h, values, bits: w.new_empty(w.shape, dtype=torch.int32))
+        torch.library.register_fake("wscompress::trellis_linear")(
+            lambda x, stream, scale, bits, state_bits: x.new_empty(x.shape[0], stream.shape[0] * 16))
+        torch.library.register_fake("wscompress::trellis_dense")(
+            lambda stream, scale, bits, state_bits: scale.new_empty(stream.shape[0] * 16, stream.shape[1] * 16,
+                                                                    dtype=torch.float32))
     else:
         torch.library.register_fake("wscompress::lowrank_linear")(
             lambda x, basis, coeff, bias: x.new_empty(*x.shape[:-1], coeff.shape[0]))
@@ -191,8 +198,8 @@ def kmeans() -> ModuleType | None:
 
 
 def trellis() -> ModuleType | None:
-    """The compiled Viterbi search of the trellis code (``maths.trellis``), or None when it is
-    not available."""
+    """The compiled trellis-code operators (the Viterbi search of ``maths.trellis``, decoding a
+    ``TrellisLinear``), or None when they are not available."""
     return _load("trellis")[0]
 
 
@@ -462,6 +469,31 @@ def six_bit_pairs() -> bool:
     return not _disabled() and os.environ.get("WSCOMPRESS_Q8", "1") != "0" and "avx2" in cpu_flags()
 
 
+def trellis_linear(x: torch.Tensor, stream: torch.Tensor, scale: torch.Tensor, bits: int, state_bits: int,
+                   bias: torch.Tensor | None) -> torch.Tensor | None:
+    """x Wᵀ + b for a ``TrellisLinear`` on CPU in float32 without gradients: decoding (at most
+    DECODE_ROWS rows) computes each tile's values once into the products, longer inputs
+    multiply the decoded weight with the BLAS; None elsewhere (its torch path)."""
+    module = _compiled_ops() or trellis()
+    if (module is None or x.device.type != "cpu" or x.dtype != torch.float32
+            or torch.is_grad_enabled() and (x.requires_grad or bias is not None and bias.requires_grad)):
+        return None
+    flat = x.reshape(-1, x.shape[-1])
+    scale = scale.float() / wscompress_trellis.ONE_MAD_STD  # the kernels' values are the byte sums less their mean
+    if flat.shape[0] <= DECODE_ROWS:
+        y = module.trellis_linear(flat, stream, scale, bits, state_bits)
+        y = y if bias is None else y + bias
+    else:
+        y = F.linear(flat, module.trellis_dense(stream, scale, bits, state_bits), bias)
+    return y.reshape(*x.shape[:-1], -1)
+
+
+def trellis_path(layer: nn.Module) -> str | None:
+    """What ``trellis_linear`` does for a ``TrellisLinear`` where it is, in words, or None."""
+    cpu = layer.stream.device.type == "cpu"
+    return "trellis kernel for decoding, BLAS on the decoded weight for prefill" if cpu and trellis() is not None else None
+
+
 def palettized_path(layer: nn.Module) -> str | None:
     """What ``palettized_linear`` does for a ``PalettizedLinear`` where it is, in words, or None where it does not take it."""
     if layer.dtype_probe.device.type == "cuda":
@@ -491,6 +523,7 @@ def narrow_path(layer: nn.Module) -> str | None:
 
 # the compressed layers (model/forms) call these where they apply, their torch path elsewhere
 wscompress_format.KERNELS.update(palettized=palettized_linear, low_rank=low_rank_linear, half=half_linear,
-                                int8=int8_linear)
-wscompress_format.PATHS.update(palettized=palettized_path, low_rank=low_rank_path, half=narrow_path, int8=narrow_path)
+                                int8=int8_linear, trellis=trellis_linear)
+wscompress_format.PATHS.update(palettized=palettized_path, low_rank=low_rank_path, half=narrow_path, int8=narrow_path,
+                               trellis=trellis_path)
 wscompress_palettized.SIX_BIT_PAIRS = ("cpu",) if six_bit_pairs() else ()

@@ -13,6 +13,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -110,8 +111,126 @@ torch::Tensor viterbi(torch::Tensor w, torch::Tensor h, torch::Tensor values, in
   return out;
 }
 
+
+// ----------------------------------------------------------------------------- decoding
+//
+// A layer's stream (out / 16, in / 16, tile bytes) holds a walk a 16 x 16 tile, down each column
+// in turn (wscompress_trellis.to_tiles): the 8 states of half a tile column start on a byte
+// (bit 8k·m of the tile's stream) and fit one big-endian 64-bit word (7k + L <= 45 bits), from
+// which one variable shift a lane takes each. A state's value is QTIP's 1MAD: the byte sum of
+// a·s + b, less 510 (from each value: taken out of the sums once, it cancelled digits), over
+// its standard deviation (folded into the row scale). A tile is copied to a zero-padded buffer
+// first, so the words read past its end read zeros.
+
+constexpr int TILE = 16;
+constexpr uint32_t MAD_A = 34038481u, MAD_B = 76625530u;  // wscompress_trellis.ONE_MAD
+constexpr int PAD = 160;  // bytes a padded tile takes: a tile's stream is at most (17 + 255·4) / 8 = 130, +8 read past
+typedef float v8f __attribute__((vector_size(8 * sizeof(float))));
+typedef uint64_t v8q __attribute__((vector_size(8 * sizeof(uint64_t))));
+typedef uint32_t v8u __attribute__((vector_size(8 * sizeof(uint32_t))));
+
+struct Reader {
+  const uint8_t* tile;  // PAD bytes
+  int bits, L;
+  v8q lane_shift;  // r·k for lanes r = 0..7
+
+  Reader(const uint8_t* tile_, int bits_, int L_) : tile(tile_), bits(bits_), L(L_) {
+    for (int r = 0; r < 8; ++r) lane_shift[r] = uint64_t(r * bits_);
+  }
+
+  // the 1MAD byte sums (0 .. 1020) of the 8 states from state index t0 on, t0 a multiple of 8:
+  // its walk's bits start on a byte (8k bits a run of 8 states)
+  v8u sums(int t0) const {
+    uint64_t word;
+    std::memcpy(&word, tile + t0 * bits / 8, 8);
+    word = __builtin_bswap64(word);  // the walk's bits from t0 on, most significant first
+    const v8q states = ((v8q{} + word) << lane_shift) >> (64 - L);
+    const v8u x = __builtin_convertvector(states, v8u) * MAD_A + MAD_B;
+    return (x & 0xFF) + (x >> 8 & 0xFF) + (x >> 16 & 0xFF) + (x >> 24);
+  }
+
+  v8f values(int t0) const { return __builtin_convertvector(sums(t0), v8f) - 510.f; }
+};
+
+// y (n, out) = x (n, in) Wᵀ for small n (decoding): row groups of 16 in parallel, each tile's
+// values computed once and multiplied into all n rows.
+torch::Tensor trellis_linear(torch::Tensor x, torch::Tensor stream, torch::Tensor scale, int64_t bits,
+                             int64_t state_bits) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x: (n, in) float32");
+  TORCH_CHECK(stream.dim() == 3 && stream.scalar_type() == torch::kUInt8, "stream: (out / 16, in / 16, bytes) uint8");
+  const int64_t n = x.size(0), groups = stream.size(0), cols = stream.size(1), bytes = stream.size(2);
+  TORCH_CHECK(x.size(1) == cols * TILE && scale.numel() == groups * TILE && bytes + 8 <= PAD, "shapes disagree");
+  x = x.contiguous(), stream = stream.contiguous();
+  auto sc = scale.to(torch::kFloat32).contiguous();
+  auto y = torch::empty({n, groups * TILE}, torch::kFloat32);
+  const float* px = x.data_ptr<float>();
+  const float* ps = sc.data_ptr<float>();
+  const uint8_t* pt = stream.data_ptr<uint8_t>();
+  float* py = y.data_ptr<float>();
+  const int64_t in = cols * TILE;
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    alignas(64) uint8_t tile[PAD] = {};
+    const Reader reader(tile, int(bits), int(state_bits));
+    std::vector<v8f> acc(2 * n);
+    for (int64_t g = g0; g < g1; ++g) {
+      std::fill(acc.begin(), acc.end(), v8f{});
+      for (int64_t c = 0; c < cols; ++c) {
+        std::memcpy(tile, pt + (g * cols + c) * bytes, bytes);
+        for (int j = 0; j < TILE; ++j) {
+          const v8f lo = reader.values(j * TILE), hi = reader.values(j * TILE + 8);
+          for (int64_t i = 0; i < n; ++i) {
+            const float xv = px[i * in + c * TILE + j];
+            acc[2 * i] += lo * xv;
+            acc[2 * i + 1] += hi * xv;
+          }
+        }
+      }
+      for (int64_t i = 0; i < n; ++i)
+        for (int r = 0; r < TILE; ++r)
+          py[i * groups * TILE + g * TILE + r] = acc[2 * i + r / 8][r % 8] * ps[g * TILE + r];
+    }
+  });
+  return y;
+}
+
+// The dense weight (out, in) float32 times the row scales (prefill multiplies it with the BLAS).
+torch::Tensor trellis_dense(torch::Tensor stream, torch::Tensor scale, int64_t bits, int64_t state_bits) {
+  TORCH_CHECK(stream.dim() == 3 && stream.scalar_type() == torch::kUInt8, "stream: (out / 16, in / 16, bytes) uint8");
+  const int64_t groups = stream.size(0), cols = stream.size(1), bytes = stream.size(2);
+  TORCH_CHECK(scale.numel() == groups * TILE && bytes + 8 <= PAD, "shapes disagree");
+  stream = stream.contiguous();
+  auto sc = scale.to(torch::kFloat32).contiguous();
+  auto w = torch::empty({groups * TILE, cols * TILE}, torch::kFloat32);
+  const float* ps = sc.data_ptr<float>();
+  const uint8_t* pt = stream.data_ptr<uint8_t>();
+  float* pw = w.data_ptr<float>();
+  const int64_t in = cols * TILE;
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    alignas(64) uint8_t tile[PAD] = {};
+    const Reader reader(tile, int(bits), int(state_bits));
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t c = 0; c < cols; ++c) {
+        std::memcpy(tile, pt + (g * cols + c) * bytes, bytes);
+        for (int j = 0; j < TILE; ++j) {
+          const v8f lo = reader.values(j * TILE), hi = reader.values(j * TILE + 8);
+          for (int r = 0; r < TILE; ++r)
+            pw[(g * TILE + r) * in + c * TILE + j] = (r < 8 ? lo[r] : hi[r - 8]) * ps[g * TILE + r];
+        }
+      }
+  });
+  return w;
+}
+
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("viterbi", &viterbi, "least-error walks of rows through the trellis code's states");
+TORCH_LIBRARY_FRAGMENT(wscompress, m) {
+  m.def("trellis_viterbi(Tensor w, Tensor h, Tensor values, int bits) -> Tensor");
+  m.def("trellis_linear(Tensor x, Tensor stream, Tensor scale, int bits, int state_bits) -> Tensor");
+  m.def("trellis_dense(Tensor stream, Tensor scale, int bits, int state_bits) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(wscompress, CPU, m) {
+  m.impl("trellis_viterbi", &viterbi);
+  m.impl("trellis_linear", &trellis_linear);
+  m.impl("trellis_dense", &trellis_dense);
 }

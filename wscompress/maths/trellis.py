@@ -23,7 +23,7 @@ def viterbi(w: torch.Tensor, h: torch.Tensor, values: torch.Tensor, bits: int) -
     each walk's first state free."""
     fast = kernels.trellis() if w.device.type == "cpu" else None
     if fast is not None:
-        return fast.viterbi(w.float().contiguous(), h.float().contiguous(), values.float().cpu(), bits).long()
+        return fast.trellis_viterbi(w.float().contiguous(), h.float().contiguous(), values.float().cpu(), bits).long()
     rows, steps = w.shape
     n, k = values.numel(), 1 << bits
     groups = n // k

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .wscompress_format import CompressedLinear, corrupt, register_layer
+from .wscompress_format import KERNELS, CompressedLinear, corrupt, register_layer
 
 # state_bits the code may have: the decoder reads a state from 3 bytes at any bit offset
 MAX_STATE_BITS = 17
@@ -86,6 +86,7 @@ class TrellisLinear(CompressedLinear):
     a Viterbi search (``maths.trellis``); the code is computed (``code``), not stored. At 2-4 bits this reaches a lower error on near-Gaussian weights
     (after ``rotate``) than scalar or 2-d codebooks of the same bits (docs/lowbit.md)."""
 
+    KERNEL = "trellis"
     TORCH_PATH = "weight decoded per forward (torch)"
 
     def __init__(self, in_features: int, out_features: int, bits: int, state_bits: int, bias: bool = False,
@@ -145,6 +146,10 @@ class TrellisLinear(CompressedLinear):
         return (values * self.scale.float()[:, None]).to(self.dtype_probe.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fast = KERNELS.get(self.KERNEL)
+        y = None if fast is None else fast(x, self.stream, self.scale, self.bits, self.state_bits, self.bias)
+        if y is not None:
+            return y
         return F.linear(x, self.dense_weight().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
 
     def trainable_parameters(self) -> list[nn.Parameter]:
