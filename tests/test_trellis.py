@@ -162,3 +162,21 @@ def test_the_kernels_compute_what_the_torch_path_does(bits, state_bits, rows):
         want = torch.nn.functional.linear(x, layer.dense_weight(), layer.bias)
     torch.testing.assert_close(fast, want, rtol=1e-5, atol=1e-5)
     assert "trellis kernel" in layer.compute_path()
+
+
+def test_training_moves_the_row_scales_not_the_walks(tmp_path, tokenizer):
+    """``finetune.mode: method`` trains each trellis layer's row scales (in float32, stored back as
+    float16); the walks stay as searched."""
+    from test_finetune import recipe
+
+    from wscompress.recovery.finetune import finetune
+
+    model = tiny_model("llama")
+    wscompress.compress(model, [{"method": "rotate", "block": 32}, {"method": "trellis", "bits": 2, "state_bits": 8}],
+                        tokenizer, CALIBRATION)
+    layer = model.model.layers[0].mlp.down_proj.inner
+    stream, scale = layer.stream.clone(), layer.scale.clone()
+    trained, out = finetune(model, tokenizer, recipe(tmp_path, mode="method", steps=2))
+    layer = trained.model.layers[0].mlp.down_proj.inner
+    assert out["trainable_params"] > 0 and layer.trained_scale is None and layer.scale.dtype == torch.float16
+    assert torch.equal(layer.stream, stream) and not torch.equal(layer.scale, scale)

@@ -38,7 +38,6 @@ from ..io.files import save_tensors
 from ..io.offload import model_device, offload_of
 from ..model.arch import match_modules
 from ..model.forms.wscompress_format import CompressedLinear
-from ..model.forms.wscompress_palettized import PalettizedLinear
 from ..recipe.schema import FinetuneConfig, Recipe
 
 CKPT = "finetune-checkpoint"
@@ -107,8 +106,8 @@ def prepare(model: nn.Module, cfg: FinetuneConfig) -> tuple[nn.Module, list[nn.P
         p.requires_grad_(False)
     finalize: Callable[[], dict] = dict
     state: list[torch.Tensor] = []
-    if cfg.mode in ("full", "method"):  # palettized layers hold their values as stored: train them in float32
-        thawed = [m for m in model.modules() if isinstance(m, PalettizedLinear)]
+    if cfg.mode in ("full", "method"):  # palettized and trellis layers hold values as stored: train them in float32
+        thawed = [m for m in model.modules() if hasattr(m, "train_values")]
         for m in thawed:
             m.train_values()
 

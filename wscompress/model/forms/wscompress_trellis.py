@@ -98,6 +98,7 @@ class TrellisLinear(CompressedLinear):
                                                    stream_bytes(TILE * TILE, bits, state_bits), dtype=torch.uint8))
         self.register_buffer("scale_bits", torch.empty(out_features, dtype=torch.int16))  # float16's bits
         self.register_buffer("dtype_probe", torch.empty(0), persistent=False)  # the dtype it computes in
+        self.register_parameter("trained_scale", None)  # the scales in float32 while fine-tuning trains them
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     @classmethod
@@ -130,7 +131,19 @@ class TrellisLinear(CompressedLinear):
 
     @property
     def scale(self) -> torch.Tensor:
-        return self.scale_bits.view(torch.float16)
+        """The row scales: as stored (float16), or as fine-tuning is training them (float32)."""
+        return self.scale_bits.view(torch.float16) if self.trained_scale is None else self.trained_scale
+
+    @torch.no_grad()
+    def train_values(self, train: bool = True) -> list[nn.Parameter]:
+        """Make the row scales a float32 parameter that fine-tuning trains (``train``), or store them
+        again as float16 (not ``train``: how a layer is built, loaded and saved); the walks stay."""
+        if train and self.trained_scale is None:
+            self.trained_scale = nn.Parameter(self.scale.float())
+        elif not train and self.trained_scale is not None:
+            self.scale_bits = self.trained_scale.detach().to(torch.float16).view(torch.int16)
+            self.trained_scale = None
+        return self.trainable_parameters()
 
     def states(self) -> torch.Tensor:
         """The state of each weight, (out, in) int64."""
@@ -147,13 +160,16 @@ class TrellisLinear(CompressedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fast = KERNELS.get(self.KERNEL)
-        y = None if fast is None else fast(x, self.stream, self.scale, self.bits, self.state_bits, self.bias)
+        y = None if fast is None or self.trained_scale is not None else \
+            fast(x, self.stream, self.scale, self.bits, self.state_bits, self.bias)
         if y is not None:
             return y
         return F.linear(x, self.dense_weight().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
 
     def trainable_parameters(self) -> list[nn.Parameter]:
-        return [] if self.bias is None else [self.bias]  # the walks and scales stay as searched
+        """The row scales while ``train_values`` made them a parameter, and the bias: the walks stay
+        as searched."""
+        return [p for p in (self.trained_scale, self.bias) if p is not None]
 
     def parameter_count(self) -> int:
         return self.out_features * self.in_features + (self.out_features if self.bias is not None else 0)
