@@ -44,10 +44,10 @@ def path(request, monkeypatch):
 
 @pytest.mark.parametrize("bits, state_bits", [(1, 3), (2, 4)])
 def test_the_search_finds_the_least_error_walk(path, bits, state_bits):
+    """Free, and held to an overlap: the first state beginning and the last ending with its bits."""
     g = torch.Generator().manual_seed(0)
     w, h = torch.randn(3, 4, generator=g), torch.rand(3, 4, generator=g) + 0.1
     values, mask = code(state_bits), (1 << state_bits) - 1
-    found = trellis.viterbi(w, h, values, bits)
     walks = []  # every walk: any first state, then `bits` new bits a step
     for first in range(1 << state_bits):
         for new in itertools.product(range(1 << bits), repeat=3):
@@ -55,10 +55,15 @@ def test_the_search_finds_the_least_error_walk(path, bits, state_bits):
             for b in new:
                 walks[-1].append(((walks[-1][-1] << bits) | b) & mask)
     walks = torch.tensor(walks)
+    overlap = torch.tensor([-1, 1, 2])
+    found = trellis.viterbi(w, h, values, bits, overlap)
     for row in range(3):
-        least = cost(w[row].expand(len(walks), -1), h[row].expand(len(walks), -1), values, walks).min().item()
+        keep = walks if overlap[row] < 0 else walks[(walks[:, 0] >> bits == overlap[row])
+                                                    & (walks[:, -1] % (1 << state_bits - bits) == overlap[row])]
+        least = cost(w[row].expand(len(keep), -1), h[row].expand(len(keep), -1), values, keep).min().item()
         assert cost(w[row:row + 1], h[row:row + 1], values, found[row:row + 1])[0].item() == pytest.approx(least, rel=1e-6)
     assert follows(found, bits, state_bits)
+    assert (found[1:, 0] >> bits).tolist() == [1, 2] and (found[1:, -1] % (1 << state_bits - bits)).tolist() == [1, 2]
 
 
 def test_compiled_and_torch_searches_agree(monkeypatch):
@@ -66,23 +71,22 @@ def test_compiled_and_torch_searches_agree(monkeypatch):
         pytest.skip("the trellis kernel is not built here")
     g = torch.Generator().manual_seed(1)
     w, h = torch.randn(40, 24, generator=g), torch.rand(40, 24, generator=g) + 0.5  # 40: three blocks of lanes
-    compiled = trellis.viterbi(w, h, code(10), 3)
+    compiled = trellis.tail_biting(w, h, code(10), 3)
     monkeypatch.setattr(kernels, "trellis", lambda: None)
-    torch.testing.assert_close(cost(w, h, code(10), compiled), cost(w, h, code(10), trellis.viterbi(w, h, code(10), 3)))
+    torch.testing.assert_close(cost(w, h, code(10), compiled), cost(w, h, code(10), trellis.tail_biting(w, h, code(10), 3)))
 
 
-@pytest.mark.parametrize("bits, state_bits, width", [(2, 8, 37), (3, 12, 64), (4, 17, 9), (1, 2, 5)])
-def test_streams_pack_and_unpack(bits, state_bits, width):
-    g = torch.Generator().manual_seed(2)
-    first = torch.randint(0, 1 << state_bits, (6, 1), generator=g)
-    new = torch.randint(0, 1 << bits, (6, width - 1), generator=g)
-    states = [first[:, 0]]
-    for t in range(width - 1):
-        states.append(((states[-1] << bits) | new[:, t]) & ((1 << state_bits) - 1))
-    states = torch.stack(states, 1)
-    stream = pack(states, bits, state_bits)
-    assert stream.shape == (6, stream_bytes(width, bits, state_bits)) and stream.dtype == torch.uint8
-    assert torch.equal(unpack(stream, width, bits, state_bits), states)
+@pytest.mark.parametrize("bits, state_bits, steps", [(2, 8, 36), (3, 12, 256), (4, 17, 6), (1, 2, 16)])
+def test_streams_pack_and_unpack(bits, state_bits, steps):
+    """A stream of steps·k random bits read circularly gives a tail-biting walk, which packs to
+    that stream again."""
+    stream = torch.randint(0, 256, (6, steps * bits // 8), generator=torch.Generator().manual_seed(2), dtype=torch.uint8)
+    bit = torch.cat([(stream[:, :, None] >> torch.arange(7, -1, -1)) & 1] * 2, 1).reshape(6, -1).long()
+    states = torch.stack([sum(bit[:, t * bits + i] << (state_bits - 1 - i) for i in range(state_bits))
+                          for t in range(steps)], 1)
+    assert follows(states, bits, state_bits)
+    assert torch.equal(unpack(stream, steps, bits, state_bits), states)
+    assert torch.equal(pack(states, bits, state_bits), stream) and stream.shape[1] == stream_bytes(steps, bits)
 
 
 def test_the_code_is_gaussian_and_its_error_below_the_best_scalar_codebooks():
@@ -132,7 +136,7 @@ def test_the_stage_codes_the_rotated_weights_of_a_model(tokenizer):
         if method == "trellis":
             layer = model.model.layers[1].mlp.up_proj
             assert isinstance(layer, RotatedLinear) and isinstance(layer.inner, TrellisLinear)
-    assert rows["trellis"]["layers"] == 4 * 7 and 3.0 < rows["trellis"]["bits_per_weight"] < 3.3
+    assert rows["trellis"]["layers"] == 4 * 7 and 3.0 < rows["trellis"]["bits_per_weight"] < 3.3  # with row scales
     assert errors["trellis"] < 0.5 * errors["kmeans"], errors
 
 
@@ -156,6 +160,7 @@ def test_the_kernels_compute_what_the_torch_path_does(bits, state_bits, rows):
     w = torch.randn(48, 64, generator=g)
     states, scale = trellis.search(w, bits, state_bits, None)
     layer = TrellisLinear.from_states(states, scale, bits, state_bits, torch.randn(48, generator=g))
+    assert torch.equal(layer.states(), states)  # the search's walks bite their tails: the stream holds them whole
     x = torch.randn(rows, 64, generator=g)
     with torch.no_grad():
         fast = layer(x)

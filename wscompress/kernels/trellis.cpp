@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 namespace {
@@ -24,21 +25,28 @@ typedef float vf __attribute__((vector_size(P * sizeof(float))));
 typedef int32_t vi __attribute__((vector_size(P * sizeof(int32_t))));
 typedef uint8_t vb __attribute__((vector_size(P)));
 
-// Walks b0 .. b0 + n (n <= P) of w, h (B, T) into states (B, T); the buffers are the caller's.
+// Walks b0 .. b0 + n (n <= P) of w, h (B, T) into states (B, T); ``overlap`` (B): where not
+// -1, the walk's first state begins with these L - k bits and its last state ends with them
+// (the walk bites its tail); the buffers are the caller's.
 template <int K>
-void search_block(const float* w, const float* h, const float* values, int64_t b0, int64_t n, int64_t T, int L,
-                  int32_t* states, std::vector<vf>& cost, std::vector<vf>& least, std::vector<vb>& back,
-                  std::vector<vf>& wt, std::vector<vf>& ht) {
+void search_block(const float* w, const float* h, const float* values, const int64_t* overlap, int64_t b0, int64_t n,
+                  int64_t T, int L, int32_t* states, std::vector<vf>& cost, std::vector<vf>& least,
+                  std::vector<vb>& back, std::vector<vf>& wt, std::vector<vf>& ht) {
   const int64_t S = int64_t(1) << L, G = S / K;
+  const float inf = std::numeric_limits<float>::infinity();
+  vi ov;
   for (int64_t t = 0; t < T; ++t)
     for (int p = 0; p < P; ++p) {  // lanes past the last walk repeat it: their results are dropped
       const int64_t row = b0 + (p < n ? p : n - 1);
       wt[t][p] = w[row * T + t];
       ht[t][p] = h[row * T + t];
+      ov[p] = int32_t(overlap[row]);
     }
-  for (int64_t s = 0; s < S; ++s) {  // the first state is free: all its bits are stored
+  const vi free = ov < 0;
+  for (int64_t s = 0; s < S; ++s) {
     const vf e = wt[0] - values[s];
-    cost[s] = ht[0] * e * e;
+    const vi allowed = free | (vi{} + int32_t(s / K)) == ov;  // the first state's top L - k bits
+    cost[s] = allowed ? ht[0] * e * e : vf{} + inf;
   }
   for (int64_t t = 1; t < T; ++t) {
     vb* arg = back.data() + t * G;
@@ -61,10 +69,11 @@ void search_block(const float* w, const float* h, const float* values, int64_t b
         cost[r * K + b] = least[r] + hv * e * e;
       }
   }
-  vf best = cost[0];
+  vf best = vf{} + inf;
   vi end = vi{};
-  for (int64_t s = 1; s < S; ++s) {
-    const vi lower = cost[s] < best;
+  for (int64_t s = 0; s < S; ++s) {
+    const vi allowed = free | (vi{} + int32_t(s % G)) == ov;  // the last state's low L - k bits
+    const vi lower = allowed & (cost[s] < best);
     end = lower ? (vi{} + int32_t(s)) : end;
     best = lower ? cost[s] : best;
   }
@@ -81,16 +90,21 @@ void search_block(const float* w, const float* h, const float* values, int64_t b
 }
 
 // states (B, T) int32 of rows ``w`` (B, T) weighted by ``h`` (B, T), in the code ``values``
-// (2^L,), k bits a step, each walk's first state free.
-torch::Tensor viterbi(torch::Tensor w, torch::Tensor h, torch::Tensor values, int64_t k) {
+// (2^L,), k bits a step; ``overlap`` (B,) int64: -1 (the walk free) or the L - k bits its first
+// state begins and its last state ends with.
+torch::Tensor viterbi(torch::Tensor w, torch::Tensor h, torch::Tensor values, int64_t k, torch::Tensor overlap) {
   TORCH_CHECK(w.dim() == 2 && h.sizes() == w.sizes() && w.scalar_type() == torch::kFloat32 &&
               h.scalar_type() == torch::kFloat32, "w and h: (B, T) float32");
   TORCH_CHECK(values.dim() == 1 && values.scalar_type() == torch::kFloat32, "values: (2^L,) float32");
   const int64_t S = values.size(0);
   const int L = __builtin_ctzll(S);
   TORCH_CHECK(S == (int64_t(1) << L) && L <= 20 && k >= 1 && k <= 4 && k < L, "2^L values, 1 <= k <= 4, k < L <= 20");
-  w = w.contiguous(), h = h.contiguous(), values = values.contiguous();
+  TORCH_CHECK(overlap.dim() == 1 && overlap.size(0) == w.size(0) && overlap.scalar_type() == torch::kInt64,
+              "overlap: (B,) int64");
+  TORCH_CHECK(overlap.numel() == 0 || overlap.max().item<int64_t>() < (S >> k), "overlap has more than L - k bits");
+  w = w.contiguous(), h = h.contiguous(), values = values.contiguous(), overlap = overlap.contiguous();
   const int64_t B = w.size(0), T = w.size(1);
+  const int64_t* po_ = overlap.data_ptr<int64_t>();
   auto out = torch::empty({B, T}, torch::kInt32);
   if (B == 0 || T == 0) return out;
   const float *pw = w.data_ptr<float>(), *ph = h.data_ptr<float>(), *pv = values.data_ptr<float>();
@@ -101,10 +115,10 @@ torch::Tensor viterbi(torch::Tensor w, torch::Tensor h, torch::Tensor values, in
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t b0 = g * P, n = std::min<int64_t>(P, B - b0);
       switch (k) {
-        case 1: search_block<2>(pw, ph, pv, b0, n, T, L, po, cost, least, back, wt, ht); break;
-        case 2: search_block<4>(pw, ph, pv, b0, n, T, L, po, cost, least, back, wt, ht); break;
-        case 3: search_block<8>(pw, ph, pv, b0, n, T, L, po, cost, least, back, wt, ht); break;
-        default: search_block<16>(pw, ph, pv, b0, n, T, L, po, cost, least, back, wt, ht); break;
+        case 1: search_block<2>(pw, ph, pv, po_, b0, n, T, L, po, cost, least, back, wt, ht); break;
+        case 2: search_block<4>(pw, ph, pv, po_, b0, n, T, L, po, cost, least, back, wt, ht); break;
+        case 3: search_block<8>(pw, ph, pv, po_, b0, n, T, L, po, cost, least, back, wt, ht); break;
+        default: search_block<16>(pw, ph, pv, po_, b0, n, T, L, po, cost, least, back, wt, ht); break;
       }
     }
   });
@@ -115,16 +129,16 @@ torch::Tensor viterbi(torch::Tensor w, torch::Tensor h, torch::Tensor values, in
 // ----------------------------------------------------------------------------- decoding
 //
 // A layer's stream (out / 16, in / 16, tile bytes) holds a walk a 16 x 16 tile, down each column
-// in turn (wscompress_trellis.to_tiles): the 8 states of half a tile column start on a byte
-// (bit 8k·m of the tile's stream) and fit one big-endian 64-bit word (7k + L <= 45 bits), from
-// which one variable shift a lane takes each. A state's value is QTIP's 1MAD: the byte sum of
+// in turn (wscompress_trellis.to_tiles), its stream of 256·k bits read circularly (the walk
+// bites its tail): the 8 states of half a tile column start on a byte (bit 8k·m) and fit one
+// big-endian 64-bit word (7k + L <= 45 bits), from which one variable shift a lane takes each. A state's value is QTIP's 1MAD: the byte sum of
 // a·s + b, less 510 (from each value: taken out of the sums once, it cancelled digits), over
-// its standard deviation (folded into the row scale). A tile is copied to a zero-padded buffer
-// first, so the words read past its end read zeros.
+// its standard deviation (folded into the row scale). A tile is copied to a buffer followed by
+// its first 8 bytes again, so the words read past its end read its beginning.
 
 constexpr int TILE = 16;
 constexpr uint32_t MAD_A = 34038481u, MAD_B = 76625530u;  // wscompress_trellis.ONE_MAD
-constexpr int PAD = 160;  // bytes a padded tile takes: a tile's stream is at most (17 + 255·4) / 8 = 130, +8 read past
+constexpr int PAD = 136;  // bytes a buffered tile takes: a tile's stream is at most 256·4 / 8 = 128, +8 read past
 typedef float v8f __attribute__((vector_size(8 * sizeof(float))));
 typedef uint64_t v8q __attribute__((vector_size(8 * sizeof(uint64_t))));
 typedef uint32_t v8u __attribute__((vector_size(8 * sizeof(uint32_t))));
@@ -159,7 +173,8 @@ torch::Tensor trellis_linear(torch::Tensor x, torch::Tensor stream, torch::Tenso
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x: (n, in) float32");
   TORCH_CHECK(stream.dim() == 3 && stream.scalar_type() == torch::kUInt8, "stream: (out / 16, in / 16, bytes) uint8");
   const int64_t n = x.size(0), groups = stream.size(0), cols = stream.size(1), bytes = stream.size(2);
-  TORCH_CHECK(x.size(1) == cols * TILE && scale.numel() == groups * TILE && bytes + 8 <= PAD, "shapes disagree");
+  TORCH_CHECK(x.size(1) == cols * TILE && scale.numel() == groups * TILE && bytes * 8 == TILE * TILE * bits &&
+              bytes + 8 <= PAD, "shapes disagree");
   x = x.contiguous(), stream = stream.contiguous();
   auto sc = scale.to(torch::kFloat32).contiguous();
   auto y = torch::empty({n, groups * TILE}, torch::kFloat32);
@@ -176,6 +191,7 @@ torch::Tensor trellis_linear(torch::Tensor x, torch::Tensor stream, torch::Tenso
       std::fill(acc.begin(), acc.end(), v8f{});
       for (int64_t c = 0; c < cols; ++c) {
         std::memcpy(tile, pt + (g * cols + c) * bytes, bytes);
+        std::memcpy(tile + bytes, tile, 8);
         for (int j = 0; j < TILE; ++j) {
           const v8f lo = reader.values(j * TILE), hi = reader.values(j * TILE + 8);
           for (int64_t i = 0; i < n; ++i) {
@@ -197,7 +213,8 @@ torch::Tensor trellis_linear(torch::Tensor x, torch::Tensor stream, torch::Tenso
 torch::Tensor trellis_dense(torch::Tensor stream, torch::Tensor scale, int64_t bits, int64_t state_bits) {
   TORCH_CHECK(stream.dim() == 3 && stream.scalar_type() == torch::kUInt8, "stream: (out / 16, in / 16, bytes) uint8");
   const int64_t groups = stream.size(0), cols = stream.size(1), bytes = stream.size(2);
-  TORCH_CHECK(scale.numel() == groups * TILE && bytes + 8 <= PAD, "shapes disagree");
+  TORCH_CHECK(scale.numel() == groups * TILE && bytes * 8 == TILE * TILE * bits && bytes + 8 <= PAD,
+              "shapes disagree");
   stream = stream.contiguous();
   auto sc = scale.to(torch::kFloat32).contiguous();
   auto w = torch::empty({groups * TILE, cols * TILE}, torch::kFloat32);
@@ -211,6 +228,7 @@ torch::Tensor trellis_dense(torch::Tensor stream, torch::Tensor scale, int64_t b
     for (int64_t g = g0; g < g1; ++g)
       for (int64_t c = 0; c < cols; ++c) {
         std::memcpy(tile, pt + (g * cols + c) * bytes, bytes);
+        std::memcpy(tile + bytes, tile, 8);
         for (int j = 0; j < TILE; ++j) {
           const v8f lo = reader.values(j * TILE), hi = reader.values(j * TILE + 8);
           for (int r = 0; r < TILE; ++r)
@@ -224,7 +242,7 @@ torch::Tensor trellis_dense(torch::Tensor stream, torch::Tensor scale, int64_t b
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(wscompress, m) {
-  m.def("trellis_viterbi(Tensor w, Tensor h, Tensor values, int bits) -> Tensor");
+  m.def("trellis_viterbi(Tensor w, Tensor h, Tensor values, int bits, Tensor overlap) -> Tensor");
   m.def("trellis_linear(Tensor x, Tensor stream, Tensor scale, int bits, int state_bits) -> Tensor");
   m.def("trellis_dense(Tensor stream, Tensor scale, int bits, int state_bits) -> Tensor");
 }

@@ -17,23 +17,31 @@ from ..model.forms.wscompress_trellis import TILE, code, from_tiles, to_tiles
 from .clustering import GramFactors
 
 
-def viterbi(w: torch.Tensor, h: torch.Tensor, values: torch.Tensor, bits: int) -> torch.Tensor:
+def viterbi(w: torch.Tensor, h: torch.Tensor, values: torch.Tensor, bits: int,
+            overlap: torch.Tensor | None = None) -> torch.Tensor:
     """The least-error walks (B, T) int64 of runs ``w`` (B, T), each weight's squared error
-    weighted by ``h`` (B, T), through the code ``values`` (2^L,) with ``bits`` new bits a step,
-    each walk's first state free."""
+    weighted by ``h`` (B, T), through the code ``values`` (2^L,) with ``bits`` new bits a step.
+    ``overlap`` (B,): where not -1, the L - k bits each walk's first state begins with and its
+    last state ends with (a tail-biting walk); without it every walk is free."""
+    overlap = torch.full((w.shape[0],), -1, dtype=torch.int64) if overlap is None else overlap.long().cpu()
     fast = kernels.trellis() if w.device.type == "cpu" else None
     if fast is not None:
-        return fast.trellis_viterbi(w.float().contiguous(), h.float().contiguous(), values.float().cpu(), bits).long()
+        return fast.trellis_viterbi(w.float().contiguous(), h.float().contiguous(), values.float().cpu(), bits,
+                                    overlap).long()
     rows, steps = w.shape
     n, k = values.numel(), 1 << bits
     groups = n // k
     values = values.to(w.device, torch.float32)
-    cost = h[:, :1] * (w[:, :1] - values) ** 2
+    overlap = overlap.to(w.device)[:, None]
+    s = torch.arange(n, device=w.device)
+    free = overlap < 0
+    inf = torch.tensor(float("inf"), device=w.device)
+    cost = torch.where(free | (s >> bits == overlap), h[:, :1] * (w[:, :1] - values) ** 2, inf)
     back = torch.zeros(steps, rows, groups, dtype=torch.uint8, device=w.device)
     for t in range(1, steps):
         least, back[t] = cost.view(rows, k, groups).min(1)
         cost = least.repeat_interleave(k, 1) + h[:, t:t + 1] * (w[:, t:t + 1] - values) ** 2
-    s = cost.argmin(1)
+    s = torch.where(free | (s % groups == overlap), cost, inf).argmin(1)
     states = torch.empty(rows, steps, dtype=torch.int64, device=w.device)
     for t in range(steps - 1, 0, -1):
         states[:, t] = s
@@ -41,6 +49,16 @@ def viterbi(w: torch.Tensor, h: torch.Tensor, values: torch.Tensor, bits: int) -
         s = back[t].gather(1, r[:, None])[:, 0].long() * groups + r
     states[:, 0] = s
     return states
+
+
+def tail_biting(w: torch.Tensor, h: torch.Tensor, values: torch.Tensor, bits: int) -> torch.Tensor:
+    """Walks as ``viterbi``'s whose last state ends with the L - k bits their first begins with,
+    so a walk's stream needs no bits of its own for the first state (QTIP): a free search of
+    each run turned half way round gives the state its first weight takes between its circular
+    neighbours, whose bits a second search keeps to."""
+    half = w.shape[1] // 2
+    turned = viterbi(w.roll(-half, 1), h.roll(-half, 1), values, bits)
+    return viterbi(w, h, values, bits, turned[:, half] >> bits)
 
 
 @torch.no_grad()
@@ -71,7 +89,7 @@ def search(weight: torch.Tensor, bits: int, state_bits: int, grams: GramFactors 
 
     def walks(target: torch.Tensor, weigh: torch.Tensor) -> torch.Tensor:  # (out, TILE·c) -> states
         tiles = to_tiles(target)
-        found = viterbi(tiles.flatten(0, 1), to_tiles(weigh.expand_as(target)).flatten(0, 1), values, bits)
+        found = tail_biting(tiles.flatten(0, 1), to_tiles(weigh.expand_as(target)).flatten(0, 1), values, bits)
         return from_tiles(found.to(w.device).view_as(tiles))
 
     if grams is None:

@@ -37,9 +37,9 @@ def code(state_bits: int) -> torch.Tensor:
     return ((total.double() - 510) / ONE_MAD_STD).float()
 
 
-def stream_bytes(steps: int, bits: int, state_bits: int) -> int:
-    """Bytes a walk of ``steps`` states takes: the first state's bits, then ``bits`` a step."""
-    return math.ceil((state_bits + (steps - 1) * bits) / 8)
+def stream_bytes(steps: int, bits: int) -> int:
+    """Bytes a walk of ``steps`` states takes: ``bits`` a state (its stream is read circularly)."""
+    return steps * bits // 8
 
 
 def to_tiles(m: torch.Tensor) -> torch.Tensor:
@@ -55,22 +55,21 @@ def from_tiles(t: torch.Tensor) -> torch.Tensor:
 
 
 def pack(states: torch.Tensor, bits: int, state_bits: int) -> torch.Tensor:
-    """The streams (walks, ``stream_bytes``) uint8 of walks ``states`` (walks, T): the first
-    state's L bits, then each later state's k new (low) bits, most significant first; state t is
-    then the L bits from bit t·k on."""
-    rows, t = states.shape
-    s = states.to(torch.int64)
-    first = (s[:, :1] >> torch.arange(state_bits - 1, -1, -1, device=s.device)) & 1
-    later = (s[:, 1:, None] >> torch.arange(bits - 1, -1, -1, device=s.device)) & 1
-    stream = torch.cat([first, later.reshape(rows, -1)], 1)
-    stream = F.pad(stream, (0, 8 * stream_bytes(t, bits, state_bits) - stream.shape[1]))
-    return (stream.view(rows, -1, 8) << torch.arange(7, -1, -1, device=s.device)).sum(-1).to(torch.uint8)
+    """The streams (walks, ``stream_bytes``) uint8 of tail-biting walks ``states`` (walks, T,
+    T·bits a multiple of 8): each state's first (top) ``bits`` bits, most significant first.
+    State t is then the ``state_bits`` bits from bit t·k on, read circularly: the last states
+    end with the first state's bits, as ``maths.trellis.search`` makes them."""
+    walks, _ = states.shape
+    top = (states.to(torch.int64)[:, :, None] >> torch.arange(state_bits - 1, state_bits - bits - 1, -1,
+                                                              device=states.device)) & 1
+    stream = top.reshape(walks, -1, 8) << torch.arange(7, -1, -1, device=states.device)
+    return stream.sum(-1).to(torch.uint8)
 
 
 def unpack(stream: torch.Tensor, steps: int, bits: int, state_bits: int) -> torch.Tensor:
     """The walks (walks, steps) int64 that ``pack`` wrote: state t from the three bytes
-    holding bits t·k to t·k + L."""
-    b = F.pad(stream.to(torch.int32), (0, 2))
+    holding bits t·k to t·k + L (circularly)."""
+    b = torch.cat([stream, stream[:, :3]], 1).to(torch.int32)
     at = torch.arange(steps, device=stream.device) * bits
     byte, offset = at // 8, at % 8
     word = (b[:, byte] << 16) | (b[:, byte + 1] << 8) | b[:, byte + 2]
@@ -81,8 +80,8 @@ def unpack(stream: torch.Tensor, steps: int, bits: int, state_bits: int) -> torc
 class TrellisLinear(CompressedLinear):
     """y = x Wᵀ + b with W[i, j] = scale_i · code(state of (i, j)): each tile of ``TILE`` x ``TILE``
     weights is a walk through the trellis of 2^state_bits states (``to_tiles`` says in which
-    order), each state keeping all but ``bits`` bits of the one before, so a tile costs ``bits`` a
-    weight (its first state ``state_bits``) and a row a float16 scale. Which walk a tile takes is
+    order), each state keeping all but ``bits`` bits of the one before and the walk ending where it
+    began (tail-biting), so a tile costs exactly ``bits`` a weight and a row a float16 scale. Which walk a tile takes is
     a Viterbi search (``maths.trellis``); the code is computed (``code``), not stored. At 2-4 bits this reaches a lower error on near-Gaussian weights
     (after ``rotate``) than scalar or 2-d codebooks of the same bits (docs/lowbit.md)."""
 
@@ -95,7 +94,7 @@ class TrellisLinear(CompressedLinear):
         self.in_features, self.out_features, self.conv1d = in_features, out_features, conv1d
         self.bits, self.state_bits = bits, state_bits
         self.register_buffer("stream", torch.empty(out_features // TILE, in_features // TILE,
-                                                   stream_bytes(TILE * TILE, bits, state_bits), dtype=torch.uint8))
+                                                   stream_bytes(TILE * TILE, bits), dtype=torch.uint8))
         self.register_buffer("scale_bits", torch.empty(out_features, dtype=torch.int16))  # float16's bits
         self.register_buffer("dtype_probe", torch.empty(0), persistent=False)  # the dtype it computes in
         self.register_parameter("trained_scale", None)  # the scales in float32 while fine-tuning trains them
