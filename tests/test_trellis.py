@@ -185,3 +185,30 @@ def test_training_moves_the_row_scales_not_the_walks(tmp_path, tokenizer):
     layer = trained.model.layers[0].mlp.down_proj.inner
     assert out["trainable_params"] > 0 and layer.trained_scale is None and layer.scale.dtype == torch.float16
     assert torch.equal(layer.stream, stream) and not torch.equal(layer.scale, scale)
+
+
+def test_a_budget_gives_each_matrix_its_bits_within_the_size(tokenizer):
+    """``budget: {bits_per_weight: 2.5}`` mixes 2- and 3-bit matrices (and 4-bit ones where they pay)
+    to within the budget, everything counted: walks, row scales and the rotations' signs."""
+    from wscompress.io import storage
+
+    model = tiny_model("llama")
+    (rotated, row) = wscompress.compress(model, [{"method": "rotate", "block": 32},
+                                                 {"method": "trellis", "budget": {"bits_per_weight": 2.7},
+                                                  "state_bits": 8}], tokenizer, CALIBRATION)
+    budget = row["budget"]
+    chosen = {m.inner.bits for m in model.modules() if isinstance(m, RotatedLinear)}
+    assert len(chosen) > 1 and budget["bits_per_weight"] <= 2.7
+    layers = [m for m in model.modules() if isinstance(m, RotatedLinear)]
+    stored = sum(m.inner.storage_bits() / 8 + m.signs.numel() for m in layers)
+    assert stored == budget["used_bytes"] and row["bits_per_weight"] * row["weights"] / 8 == pytest.approx(stored - sum(
+        m.signs.numel() for m in layers))
+    assert storage.stats(model)["params"] > 0
+
+
+def test_an_impossible_budget_is_refused_before_any_work():
+    model = tiny_model("llama")
+    with pytest.raises(UsageError, match="below 2 bits a weight for every matrix"):
+        wscompress.compress(model, [{"method": "trellis", "budget": {"bits_per_weight": 1.5}, "menu": [2, 3]}])
+    with pytest.raises(UsageError, match="no smaller than the dense"):
+        wscompress.compress(model, [{"method": "trellis", "budget": {"bits_per_weight": 32}}])

@@ -10,6 +10,8 @@ that depend on the weights before it, and the search looks at the whole row befo
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .. import kernels
@@ -116,3 +118,16 @@ def search(weight: torch.Tensor, bits: int, state_bits: int, grams: GramFactors 
         fit = (wd * gq).sum(1) / (q * gq).sum(1).clamp_min(1e-30)
     scale = torch.where(fit > 0, fit, scale.double()).float().to(torch.float16).float()
     return states, scale
+
+
+@functools.lru_cache(maxsize=None)
+def distortion(bits: int, state_bits: int) -> float:
+    """The squared error per weight, relative to its variance, of tail-biting walks of ``bits`` a
+    weight through 2^``state_bits`` states on Gaussian weights (64 tiles' worth, a fixed draw):
+    what a size budget weighs each choice of bits by (docs/lowbit.md)."""
+    w = torch.randn(64, TILE * TILE, generator=torch.Generator().manual_seed(0))
+    values = code(state_bits)
+    states = tail_biting(w, torch.ones_like(w), values, bits)
+    q = values[states]
+    fit = (w * q).sum(1, keepdim=True) / (q * q).sum(1, keepdim=True)
+    return (q * fit - w).pow(2).mean().item()
