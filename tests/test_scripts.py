@@ -81,9 +81,11 @@ def test_bench_lowbit(tmp_path):
 def test_bench_budget(tmp_path):
     run_script("bench_budget.py", "--dry-run", "--out", str(tmp_path))
     rows = {r["run"]: r for r in table((tmp_path / "results.md").read_text(), "run", "bits a weight")}
-    assert list(rows) == ["budget-3.0", "uniform-3bit"]
+    assert list(rows) == ["budget-3.0", "uniform-3bit", "trellis-budget-3.0", "trellis-2bit"]
     assert float(rows["budget-3.0"]["bits a weight"]) <= 3.0 < float(rows["uniform-3bit"]["bits a weight"])
-    assert all(float(r["x dense wiki.test"]) > 0 and float(r["kmeans stage s"]) >= 0 for r in rows.values())
+    assert 2.5 < float(rows["trellis-budget-3.0"]["bits a weight"]) <= 3.0  # signs, scales and walks within it
+    assert 2.0 < float(rows["trellis-2bit"]["bits a weight"]) < 2.5
+    assert all(float(r["x dense wiki.test"]) > 0 and float(r["stage s"]) >= 0 for r in rows.values())
     assert float(rows["budget-3.0"]["measure s"]) > 0
     assert (tmp_path / "comparison" / "comparison.md").is_file()  # wscompress report merged the runs
 

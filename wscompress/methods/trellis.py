@@ -133,7 +133,8 @@ def choose_bits(model: nn.Module, cfg: TrellisConfig, layers: dict[str, nn.Modul
     used = int(sum(sizes[k, j] for k, j in enumerate(picks))) + around
     chosen = {n: cfg.menu[picks[k]] for k, n in enumerate(names)}
     return chosen, {"bytes": cfg.budget.bytes_for(weights), "used_bytes": used, "beside_bytes": around,
-                    "bits_per_weight": 8 * used / weights, "distortion": dict(zip(cfg.menu, rates.tolist())),
+                    "bits_per_weight": 8 * used / weights, "menu": cfg.menu,
+                    "distortion": dict(zip(cfg.menu, rates.tolist())),
                     "matrices_by_bits": {b: sum(v == b for v in chosen.values()) for b in cfg.menu}, "choices": chosen}
 
 
