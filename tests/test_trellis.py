@@ -208,7 +208,7 @@ def test_a_budget_gives_each_matrix_its_bits_within_the_size(tokenizer):
 
 def test_an_impossible_budget_is_refused_before_any_work():
     model = tiny_model("llama")
-    with pytest.raises(UsageError, match="below 2 bits a weight for every matrix"):
+    with pytest.raises(UsageError, match="below the 2 bits a weight for every matrix"):
         wscompress.compress(model, [{"method": "trellis", "budget": {"bits_per_weight": 1.5}, "menu": [2, 3]}])
     with pytest.raises(UsageError, match="no smaller than the dense"):
         wscompress.compress(model, [{"method": "trellis", "budget": {"bits_per_weight": 32}}])

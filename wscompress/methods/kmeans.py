@@ -132,13 +132,7 @@ class KMeansConfig(TargetedStage, LayerRefit):
             budget = self.budget.bytes_for(weights) - beside(model, list(layers))
             least = sum(min(layout_bytes(*reversed(dims_of(m)), cfg) for cfg in fitting[n]) for n, m in layers.items())
             dense = sum(weight_of(m).numel() * weight_of(m).element_size() for m in layers.values())
-            if budget < least:
-                raise UsageError(f"kmeans budget: {budget} bytes ({8 * budget / weights:.3f} bits a weight) is below the "
-                                 f"menu's smallest layouts, {least} bytes ({8 * least / weights:.3f} bits a weight)",
-                                 "raise the budget or add a smaller layout to menu")
-            if budget >= dense:
-                raise UsageError(f"kmeans budget: {budget} bytes is no smaller than the dense targets' {dense} bytes",
-                                 "lower the budget (bits_per_weight below the weights' own bits)")
+            self.budget.check("kmeans", budget, weights, least, "menu's smallest layouts", dense)
 
     @model_validator(mode="after")
     def _group_size(self) -> KMeansConfig:

@@ -79,13 +79,8 @@ class TrellisConfig(TargetedStage, LayerRefit):
             budget = self.budget.bytes_for(weights) - beside(model, list(layers))
             least = sum(matrix_bytes(*reversed(dims_of(m)), min(self.menu)) for m in layers.values())
             dense = sum(weight_of(m).numel() * weight_of(m).element_size() for m in layers.values())
-            if budget < least:
-                raise UsageError(f"trellis budget: {budget} bytes ({8 * budget / weights:.3f} bits a weight) is below "
-                                 f"{min(self.menu)} bits a weight for every matrix, {least} bytes",
-                                 "raise the budget or add fewer bits to menu")
-            if budget >= dense:
-                raise UsageError(f"trellis budget: {budget} bytes is no smaller than the dense targets' {dense} bytes",
-                                 "lower the budget")
+            self.budget.check("trellis", budget, weights, least, f"{min(self.menu)} bits a weight for every matrix",
+                              dense)
         for name, module in layers.items():
             if any(d % TILE for d in dims_of(module)):
                 raise UsageError(f"trellis: {name} is {' x '.join(map(str, reversed(dims_of(module))))}, not made of "

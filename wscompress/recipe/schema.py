@@ -10,6 +10,7 @@ from typing import Any, Literal, get_args, get_origin
 
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, model_validator
 
+from ..errors import UsageError
 from ..model.forms.wscompress_palettized import CodebookDtype
 
 DEFAULT_MODEL = "builtin:smollm2-135m-instruct"
@@ -169,6 +170,17 @@ class Budget(Strict):
     def bytes_for(self, weights: int) -> int:
         """The budget in bytes for ``weights`` target weights."""
         return int(self.bytes) if self.bytes is not None else int(self.bits_per_weight * weights // 8)
+
+    def check(self, who: str, budget: int, weights: int, least: int, smallest: str, dense: int) -> None:
+        """Refuse a budget of ``budget`` bytes (for ``weights`` weights) below ``least``, the bytes of
+        the stage's ``smallest`` choices, or no smaller than the ``dense`` targets' bytes."""
+        if budget < least:
+            raise UsageError(f"{who} budget: {budget} bytes ({8 * budget / weights:.3f} bits a weight) is below the "
+                             f"{smallest}, {least} bytes ({8 * least / weights:.3f} bits a weight)",
+                             "raise the budget or add a smaller choice to menu")
+        if budget >= dense:
+            raise UsageError(f"{who} budget: {budget} bytes is no smaller than the dense targets' {dense} bytes",
+                             "lower the budget (bits_per_weight below the weights' own bits)")
 
 
 class TargetedStage(StageConfig):
