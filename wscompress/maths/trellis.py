@@ -110,12 +110,8 @@ def search(weight: torch.Tensor, bits: int, state_bits: int, grams: GramFactors 
             x[:, i2:] -= err @ u[i1:i2, i2:]
         gram = grams.gram.to(w.device).double()
     q = values[states].double()
-    wd = w.double()
-    if gram is None:
-        fit = (wd * q).sum(1) / (q * q).sum(1).clamp_min(1e-30)
-    else:  # s_i = w_i G q_iᵀ / q_i G q_iᵀ: the row's output error least for its walk
-        gq = q @ gram
-        fit = (wd * gq).sum(1) / (q * gq).sum(1).clamp_min(1e-30)
+    gq = q if gram is None else q @ gram  # s_i = w_i G q_iᵀ / q_i G q_iᵀ (G = I without statistics):
+    fit = (w.double() * gq).sum(1) / (q * gq).sum(1).clamp_min(1e-30)  # the row's least error for its walk
     scale = torch.where(fit > 0, fit, scale.double()).float().to(torch.float16).float()
     return states, scale
 
